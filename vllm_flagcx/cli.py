@@ -1,0 +1,26 @@
+"""``vllm-flagcx`` command line: one entry, one subcommand per job."""
+
+from __future__ import annotations
+
+import sys
+
+_COMMANDS = {
+    "doctor": ("vllm_flagcx.doctor", "report the installed vLLM's capabilities"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in _COMMANDS:
+        print("usage: vllm-flagcx COMMAND [ARGS]\n\ncommands:")
+        for name, (_, helptext) in _COMMANDS.items():
+            print(f"  {name:<10} {helptext}")
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    import importlib
+
+    module = importlib.import_module(_COMMANDS[args[0]][0])
+    return int(module.main(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Attention backends and KV layout, across the 0.13 -> 0.34 moves.
+
+* ``get_attn_backend`` moved from ``vllm.attention.selector`` to ``vllm.v1.attention.selector``
+  and lost ``block_size`` in 0.18: a positional 0.13-style call then binds block_size to
+  ``use_mla``. The wrapper is keyword-only and drops every kwarg the installed signature lacks.
+* The backends in use: a list from 0.18, one backend in 0.17, a layer walk on 0.13.
+* Layout: ``get_kv_cache_layout()`` ("NHD"/"HND") up to 0.22; 0.34 resolves a
+  ``KVCacheLayout`` ("LBHNC"...) on the CacheConfig. ``HND`` == ``LBHNC``, ``NHD`` == ``LBNHC``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
+
+# 0.34 layout names that have a legacy (<= 0.22) spelling.
+_LEGACY_LAYOUT = {"LBHNC": "HND", "LBNHC": "NHD"}
+
+
+def get_attn_backend(**kwargs: Any) -> Any:
+    """``get_attn_backend`` called by keyword with only the kwargs this build accepts."""
+    selector = resolve("get_attn_backend")
+    params = inspect.signature(selector).parameters
+    accepted = {k: v for k, v in kwargs.items() if k in params}
+    return selector(**accepted)
+
+
+def dropped_attn_backend_kwargs(kwargs: dict[str, Any]) -> set[str]:
+    """Which of ``kwargs`` the installed ``get_attn_backend`` would ignore."""
+    params = inspect.signature(resolve("get_attn_backend")).parameters
+    return {k for k in kwargs if k not in params}
+
+
+def _dedup(backends: list[Any]) -> list[Any]:
+    seen: dict[str, Any] = {}
+    for backend in backends:
+        name = getattr(backend, "full_cls_name", None)
+        key = name() if callable(name) else f"{backend.__module__}.{backend.__qualname__}"
+        seen.setdefault(key, backend)
+    return list(seen.values())
+
+
+def current_attn_backends(vllm_config: Any, layer_names: list[str] | None = None) -> list[Any]:
+    """Distinct attention backend classes of the model's layers (or the default one)."""
+    mode = FEATURES_BY_KEY["current_attn_backends"].probe()
+    with resolve("set_current_vllm_config")(vllm_config):
+        if mode == "list":
+            return list(resolve("get_current_attn_backends")(vllm_config, layer_names))
+        if mode == "single":
+            return [resolve("get_current_attn_backend")(vllm_config)]
+        layers = resolve("get_layers_from_vllm_config")(
+            vllm_config, resolve("AttentionLayerBase"), layer_names)
+        if layers:
+            return _dedup([layer.get_attn_backend() for layer in layers.values()])
+        model = vllm_config.model_config
+        return [get_attn_backend(
+            head_size=model.get_head_size(), dtype=model.dtype,
+            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+            block_size=vllm_config.cache_config.block_size, use_mla=model.use_mla)]
+
+
+def kv_layout(vllm_config: Any) -> str | None:
+    """The KV cache layout name: "HND"/"NHD" where it has one, else the 0.34 name.
+
+    None when 0.34's engine core has not resolved the layout yet.
+    """
+    source = FEATURES_BY_KEY["kv_layout"].probe()
+    if source == "get_kv_cache_layout":
+        with resolve("set_current_vllm_config")(vllm_config):
+            return str(resolve("get_kv_cache_layout")())
+    try:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    except ValueError:
+        return None
+    return _LEGACY_LAYOUT.get(layout.name, layout.name)
+
+
+def required_kv_layout_name(is_mla: bool) -> str | None:
+    """What ``get_required_kvcache_layout`` should answer: "HND" (accepted on every build,
+    an alias of LBHNC on 0.34) for head-sliced transfers, nothing for MLA."""
+    return None if is_mla else "HND"
+
+
+def attention_type_decoder() -> Any:
+    return resolve("AttentionType").DECODER

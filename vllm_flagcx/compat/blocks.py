@@ -1,0 +1,95 @@
+"""Block ids per KV cache group, and the hybrid KV cache manager (HMA) rules.
+
+* ``get_unhashed_block_ids_all_groups`` is native from 0.18; on 0.13 it is computed here
+  with the same rule (no hash, not the null padding block).
+* ``get_block_ids(group_ids=...)`` exists only on 0.34.
+* ``NULL_BLOCK_ID`` is exported from 0.20; the null block has always been block 0.
+* A ``SupportsHMA`` connector only ever gets ``request_finished_all_groups``.
+* HMA: off whenever a connector is configured on 0.13-0.20 unless the user passes
+  ``--no-disable-hybrid-kv-cache-manager``; auto (on for SupportsHMA) from 0.22. A Mamba/GDN
+  model cannot run without HMA, so we refuse instead of degrading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY, optional
+
+
+def null_block_id() -> int:
+    value = optional("NULL_BLOCK_ID")
+    return 0 if value is None else int(value)
+
+
+def _is_null(block: Any) -> bool:
+    return bool(getattr(block, "is_null", False))
+
+
+def block_ids(blocks: Any, group_ids: Sequence[int] | None = None) -> tuple[list[int], ...]:
+    """Block ids per group of a ``KVCacheBlocks``, optionally only some groups."""
+    if group_ids is not None and FEATURES_BY_KEY["block_ids_group_ids"].probe() == "kwarg":
+        return tuple(blocks.get_block_ids(group_ids=list(group_ids)))
+    ids = tuple(blocks.get_block_ids())
+    if group_ids is None:
+        return ids
+    return tuple(ids[g] for g in group_ids)
+
+
+def unhashed_block_ids_all_groups(blocks: Any) -> list[list[int]]:
+    """Per group, the ids of blocks without a hash (newly allocated), null blocks skipped."""
+    native = getattr(blocks, "get_unhashed_block_ids_all_groups", None)
+    if native is not None:
+        return [list(g) for g in native()]
+    return [
+        [b.block_id for b in group if b.block_hash is None and not _is_null(b)]
+        for group in blocks.blocks
+    ]
+
+
+def strip_null_blocks(ids: Sequence[int]) -> list[int]:
+    """Block ids without the null block (sliding-window groups pad with it)."""
+    null = null_block_id()
+    return [b for b in ids if b != null]
+
+
+# ----------------------------------------------------------------------------- HMA
+
+
+@dataclass(frozen=True)
+class HmaState:
+    enabled: bool
+    reason: str
+
+
+def hma_state(vllm_config: Any) -> HmaState:
+    """Whether the hybrid KV cache manager is on for this config, and why."""
+    flag = vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    default = FEATURES_BY_KEY["hma_default"].probe()
+    if flag is None:
+        enabled = default == "auto"
+        return HmaState(enabled, f"unset, default={default}")
+    enabled = not flag
+    return HmaState(enabled, f"disable_hybrid_kv_cache_manager={flag}")
+
+
+class HybridManagerRequired(ValueError):
+    """A Mamba/GDN hybrid model is configured with the hybrid KV cache manager off."""
+
+
+def require_hma_for_mamba(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse-not-degrade: Mamba/GDN state cannot be moved without per-group block ids."""
+    from vllm_flagcx.compat.kv_cache import has_mamba_groups
+
+    if kv_cache_config is None or not has_mamba_groups(kv_cache_config):
+        return
+    state = hma_state(vllm_config)
+    if not state.enabled:
+        raise HybridManagerRequired(
+            "FlagCXConnector: this model has Mamba/GDN layers, which need the hybrid KV cache "
+            f"manager, but it is off ({state.reason}). Fix: pass "
+            "--no-disable-hybrid-kv-cache-manager to vllm serve (needed on vLLM 0.13-0.20 "
+            "whenever a KV connector is set)."
+        )

@@ -1,0 +1,59 @@
+"""Config reads that survive renamed/removed fields and env names.
+
+* ``vllm.envs.X`` raises AttributeError for names a release removed (e.g.
+  ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` in 0.22), so our knobs are read from ``os.environ``.
+* ``kv_ip/kv_rank/kv_parallel_size/kv_buffer_size`` are forbidden in 0.34's KVTransferConfig:
+  never required, always read with a default.
+* DP index: ``data_parallel_index`` (0.17+) or ``data_parallel_rank``.
+* Resumed (preempted, rescheduled) requests: ``scheduled_cached_reqs.resumed_req_ids``
+  (<= 0.22) or "appears in ``scheduled_new_reqs`` again" (0.34).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY
+
+_MISSING = object()
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """An environment knob, read directly (vllm.envs may not know it on this build)."""
+    return os.environ.get(name, default)
+
+
+def extra_config(kv_transfer_config: Any, key: str, default: Any = None) -> Any:
+    """A key of ``kv_connector_extra_config`` (the connector's own settings)."""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    return extra.get(key, default)
+
+
+def kv_transfer_field(kv_transfer_config: Any, name: str, default: Any = None) -> Any:
+    """A KVTransferConfig field that some builds lack (kv_ip, kv_rank, ...)."""
+    value = getattr(kv_transfer_config, name, _MISSING)
+    return default if value is _MISSING or value is None else value
+
+
+def dp_index(parallel_config: Any) -> int:
+    if FEATURES_BY_KEY["dp_index_field"].probe() == "data_parallel_index":
+        return int(getattr(parallel_config, "data_parallel_index", 0) or 0)
+    return int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+
+
+def failure_policy(kv_transfer_config: Any) -> str:
+    """"recompute" or "fail": what vLLM does with blocks reported as failed."""
+    return str(kv_transfer_field(kv_transfer_config, "kv_load_failure_policy", "recompute"))
+
+
+def resumed_request_ids(scheduler_output: Any, seen_new_before: set[str]) -> set[str]:
+    """Ids of requests resumed after preemption in this step.
+
+    ``seen_new_before`` is the caller's record of requests it already saw as new; on 0.34
+    a resumed request arrives as new again, which is how it is recognised there.
+    """
+    cached = scheduler_output.scheduled_cached_reqs
+    if FEATURES_BY_KEY["resumed_requests"].probe() == "resumed_req_ids":
+        return set(getattr(cached, "resumed_req_ids", ()) or ())
+    return {r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id in seen_new_before}

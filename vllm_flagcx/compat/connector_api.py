@@ -1,0 +1,95 @@
+"""The KV connector API across releases, and one base class that absorbs what moved.
+
+Importing this module imports vLLM's connector base (vLLM has it loaded already whenever
+it imports a connector), nothing heavier.
+
+What the base absorbs:
+* ``__init__`` always takes ``kv_cache_config`` and forwards it (0.22+ factory raises for a
+  class without the keyword; 0.13 warns when it is None).
+* ``prefer_cross_layer_blocks`` is a ClassVar on 0.13, a property on 0.14-0.22, gone on 0.34:
+  a plain class attribute False works on all.
+* ``handle_preemptions`` took a ``set`` of request ids (0.17/0.18) and takes the metadata from
+  0.19: both are normalised to ``on_preemptions(req_ids)``.
+* A ``SupportsHMA`` connector only gets ``request_finished_all_groups``; ``request_finished``
+  forwards there so any caller gets the same answer.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from vllm_flagcx.compat.probe import optional, resolve
+
+KVConnectorBase_V1 = resolve("KVConnectorBase_V1")
+KVConnectorRole = resolve("KVConnectorRole")
+KVConnectorMetadata = resolve("KVConnectorMetadata")
+KVConnectorHandshakeMetadata = resolve("KVConnectorHandshakeMetadata")
+SupportsHMA = resolve("SupportsHMA")
+KVConnectorTransferResults = optional("KVConnectorTransferResults")
+
+
+class _WorkerMetadataShim(abc.ABC):  # noqa: B024 - mirrors vLLM's ABC shape
+    """Stand-in for ``KVConnectorWorkerMetadata`` on builds before 0.18 (never sent there)."""
+
+    @abc.abstractmethod
+    def aggregate(self, other: _WorkerMetadataShim) -> _WorkerMetadataShim: ...
+
+
+KVConnectorWorkerMetadata = optional("KVConnectorWorkerMetadata") or _WorkerMetadataShim
+
+
+def _base_takes_kv_cache_config() -> bool:
+    import inspect
+
+    return "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters
+
+
+class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):
+    """Base of FlagCXConnector: one class body that every supported vLLM accepts."""
+
+    prefer_cross_layer_blocks = False
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if _base_takes_kv_cache_config():
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        else:
+            super().__init__(vllm_config=vllm_config, role=role)
+            self._kv_cache_config = kv_cache_config
+
+    @property
+    def kv_cache_config(self) -> Any:
+        return getattr(self, "_kv_cache_config", None)
+
+    # -- preemptions: set[str] (0.17/0.18) or metadata (0.19+) -------------------------
+    def handle_preemptions(self, preempted: Any) -> None:
+        if isinstance(preempted, (set, frozenset, list, tuple)):
+            req_ids = set(preempted)
+        else:
+            req_ids = set(getattr(preempted, "preempted_req_ids", None) or ())
+        self.on_preemptions(req_ids)
+
+    def on_preemptions(self, req_ids: set[str]) -> None:
+        """Preempted requests, whatever form the installed vLLM reported them in."""
+
+    # -- finish path ---------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self.request_finished_all_groups(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        raise NotImplementedError
+
+
+def role_is_scheduler(role: Any) -> bool:
+    return role == KVConnectorRole.SCHEDULER
+
+
+def make_connector_output(**fields: Any) -> Any:
+    """A real ``KVConnectorOutput`` with only the fields this build has."""
+    import dataclasses
+
+    cls = resolve("KVConnectorOutput")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in fields.items() if k in names})

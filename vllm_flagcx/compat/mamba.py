@@ -1,0 +1,61 @@
+"""Mamba/GDN specifics: conv state layout and the N-1 token rule for P/D.
+
+A recurrent state cannot be "partly recomputed": decode must run the last prompt token
+itself to derive the state after it. So prefill computes the state after N-1 prompt tokens
+and decode recomputes token N (the rule vLLM's NIXL connector adopted in 0.19).
+
+Conv layout: "SD" (state_len, dim) per block is vLLM's default; "DS" (dim, state_len) is
+selected by ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` from 0.17. 0.13 has SD only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_flagcx.compat.probe import optional
+
+TRUNCATED_KEY = "_flagcx_p_side_truncated"
+
+
+def conv_state_layout() -> str:
+    """"SD" or "DS": how this build stores Mamba conv state."""
+    probe = optional("is_conv_state_dim_first")
+    if probe is None:
+        return "SD"
+    return "DS" if probe() else "SD"
+
+
+def remote_prefill_token_count(num_prompt_tokens: int, has_mamba: bool) -> int:
+    """Tokens decode asks prefill for: N, or N-1 when Mamba/GDN groups exist."""
+    if has_mamba and num_prompt_tokens > 1:
+        return num_prompt_tokens - 1
+    return num_prompt_tokens
+
+
+def truncate_for_prefill(request: Any, hash_block_size: int | None = None) -> bool:
+    """Prefill side: drop the last prompt token once (idempotent under preemption).
+
+    Returns True when this call truncated. Block hashes covering the dropped token are
+    discarded too (``Request.truncate_block_hashes`` on 0.34, the same rule elsewhere), so
+    a later prefix-cache lookup cannot match a block holding a token that was never run.
+    """
+    params = request.kv_transfer_params
+    if params is None or params.get(TRUNCATED_KEY) or request.num_prompt_tokens <= 1:
+        return False
+    if request.prompt_token_ids is not None:
+        request.prompt_token_ids.pop()
+    elif getattr(request, "prompt_embeds", None) is not None:
+        request.prompt_embeds = request.prompt_embeds[:-1]
+    else:
+        return False
+    request._all_token_ids.pop()
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params[TRUNCATED_KEY] = True
+    if hash_block_size:
+        native = getattr(request, "truncate_block_hashes", None)
+        if native is not None:
+            native(hash_block_size)
+        elif getattr(request, "block_hashes", None) is not None:
+            del request.block_hashes[request.num_tokens // hash_block_size:]
+    return True

@@ -1,0 +1,31 @@
+"""``vllm.general_plugins`` entry point: register "FlagCXConnector" with vLLM's factory.
+
+vLLM runs general plugins once in every process. The name may already be taken (e.g. by
+vllm-plugin-FL, which ships its own FlagCX connector): vLLM's ``register_connector`` raises
+ValueError on a duplicate, so we check first, log, and keep theirs.
+``kv_connector_module_path="vllm_flagcx.connector"`` works without this plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_flagcx.compat.probe import resolve
+
+CONNECTOR_NAME = "FlagCXConnector"
+CONNECTOR_MODULE = "vllm_flagcx.connector"
+
+logger = logging.getLogger("vllm_flagcx")
+
+
+def register() -> bool:
+    """Register the connector name; False (and a log line) when it is already registered."""
+    factory = resolve("KVConnectorFactory")
+    registry = getattr(factory, "_registry", {})
+    if CONNECTOR_NAME in registry:
+        logger.info("vllm-flagcx: %s is already registered with vLLM (kept the existing "
+                    "registration; use kv_connector_module_path=%r to pick ours)",
+                    CONNECTOR_NAME, CONNECTOR_MODULE)
+        return False
+    factory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    return True

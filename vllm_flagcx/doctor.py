@@ -1,0 +1,81 @@
+"""``vllm-flagcx doctor``: what the installed vLLM is and what the connector can use of it.
+
+One line per capability: found (and where), or MISSING with what a vendor build must
+provide. That list is the vendor porting checklist; ``docs/porting.md`` is rendered from
+the same tables. Exit status 1 when a capability the connector requires is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from typing import Any, TextIO
+
+
+def collect() -> dict[str, Any]:
+    """Everything the doctor reports, as plain data (also the ``--json`` output)."""
+    from vllm_flagcx.compat import probe, version
+    from vllm_flagcx.matrix import build_for_version
+
+    vllm_version = version.installed_version()
+    traits = version.installed_platform_traits()
+    reports = probe.capability_reports()
+    build = build_for_version(vllm_version.raw)
+    mismatches: dict[str, dict[str, str]] = {}
+    if build is not None:
+        found = {r.key: r.where for r in reports}
+        for key, expected in build.profile.items():
+            if found.get(key) != expected:
+                mismatches[key] = {"expected": expected, "found": found.get(key, "unknown")}
+    return {
+        "vllm_version": vllm_version.raw,
+        "release": ".".join(map(str, vllm_version.release)),
+        "local": vllm_version.local,
+        "distribution": version.installed_distribution(),
+        "vendor": version.classify_vendor(traits, vllm_version),
+        "platform": asdict(traits),
+        "matrix_build": build.env if build else None,
+        "profile_mismatches": mismatches,
+        "capabilities": [asdict(r) for r in reports],
+        "missing_required": [r.key for r in reports if r.required and not r.found],
+    }
+
+
+def render(data: dict[str, Any], out: TextIO) -> None:
+    p = data["platform"]
+    out.write(f"vLLM {data['vllm_version']} (release {data['release']}, "
+              f"distribution {data['distribution'] or 'unknown'})\n")
+    out.write(f"vendor {data['vendor']}  platform device_name={p['device_name'] or '-'} "
+              f"enum={p['enum_name']} cuda_alike={p['is_cuda_alike']}\n")
+    build = data["matrix_build"]
+    out.write(f"matrix build: {build or 'none (not a supported build; probes decide)'}\n\n")
+    for cap in data["capabilities"]:
+        need = "required" if cap["required"] else "optional"
+        if cap["found"]:
+            out.write(f"  ok       {cap['key']:<34} {cap['where']}\n")
+        else:
+            tag = "MISSING " if cap["required"] else "absent  "
+            out.write(f"  {tag} {cap['key']:<34} ({need}) provide: {cap['provide']}\n")
+    for key, diff in data["profile_mismatches"].items():
+        out.write(f"  DIFFERS  {key}: matrix expects {diff['expected']}, found {diff['found']}\n")
+    missing = data["missing_required"]
+    if missing:
+        out.write(f"\n{len(missing)} required capability(ies) MISSING: {', '.join(missing)}\n")
+    else:
+        out.write("\nall required capabilities found\n")
+
+
+def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="vllm-flagcx doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    data = collect()
+    if args.json:
+        json.dump(data, out, indent=2)
+        out.write("\n")
+    else:
+        render(data, out)
+    return 1 if data["missing_required"] else 0
