@@ -7,6 +7,7 @@ the same tables. Exit status 1 when a capability the connector requires is missi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import asdict
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     parser = argparse.ArgumentParser(prog="vllm-flagcx doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    data = collect()
+    # vLLM logs to stdout from its first import; keep stdout for the report alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        data = collect()
     if args.json:
         json.dump(data, out, indent=2)
         out.write("\n")

@@ -1,0 +1,66 @@
+"""Only vllm_flagcx/compat may import vLLM; importing the package stays cheap."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vllm_flagcx"
+MATRIX = PACKAGE.parent / "matrix"
+
+
+def _vllm_imports(path: Path) -> list[int]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [str(node.args[0].value)]
+        else:
+            continue
+        if any(n == "vllm" or n.startswith("vllm.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_vllm_import_outside_compat():
+    offenders = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *MATRIX.rglob("*.py")]):
+        if PACKAGE / "compat" in path.parents:
+            continue
+        offenders += [f"{path.relative_to(PACKAGE.parent)}:{n}" for n in _vllm_imports(path)]
+    assert offenders == [], f"vLLM imported outside vllm_flagcx/compat: {offenders}"
+
+
+def test_boundary_check_catches_an_import(tmp_path):
+    sample = tmp_path / "bad.py"
+    sample.write_text("import os\nfrom vllm.config import VllmConfig\nimport vllm_flagcx\n")
+    assert _vllm_imports(sample) == [2]
+
+
+def _modules_after_import(statement: str) -> set[str]:
+    code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    return set(out.stdout.split())
+
+
+def test_package_import_is_cheap():
+    loaded = _modules_after_import(
+        "import vllm_flagcx, vllm_flagcx.compat, vllm_flagcx.matrix, vllm_flagcx.cli")
+    heavy = {m for m in loaded if m.split(".")[0] in {"vllm", "torch", "zmq", "transformers"}}
+    assert heavy == set()
+
+
+def test_connector_import_loads_no_transport_library():
+    loaded = _modules_after_import("import vllm_flagcx.connector")
+    assert "vllm_flagcx.connector" in loaded
+    assert not any(m.startswith("vllm_flagcx.transport.") for m in loaded)
+    assert "ctypes" not in loaded or not any("flagcx" in m.lower() and "vllm_flagcx" not in m
+                                             for m in loaded)

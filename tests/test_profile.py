@@ -1,0 +1,84 @@
+"""The probes, run against the installed real vLLM, find what matrix/builds.toml states."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_flagcx.compat import probe
+from vllm_flagcx.compat.moved import MOVED_NAMES
+
+
+def test_profile_equals_matrix_expectation(matrix_build):
+    found = probe.profile()
+    diff = {k: (matrix_build.profile.get(k), found.get(k))
+            for k in set(found) | set(matrix_build.profile)
+            if found.get(k) != matrix_build.profile.get(k)}
+    assert diff == {}, f"(expected, found) per capability on {matrix_build.env}: {diff}"
+
+
+def test_installed_version_is_the_env_build(matrix_build):
+    from vllm_flagcx.compat.version import installed_version
+
+    assert installed_version().matches(f"=={matrix_build.version}")
+
+
+@pytest.mark.parametrize("entry", [m for m in MOVED_NAMES if m.required], ids=lambda m: m.key)
+def test_every_required_name_resolves(entry):
+    assert probe.resolve(entry.key) is not None
+
+
+def test_every_capability_probe_runs():
+    failures = [r for r in probe.capability_reports() if r.where.startswith("probe failed")]
+    assert failures == []
+    missing = [r.key for r in probe.capability_reports() if r.required and not r.found]
+    assert missing == []
+
+
+def test_facade_modules_expose_their_wrappers():
+    from vllm_flagcx.compat import (
+        attention,
+        blocks,
+        config,
+        connector_api,
+        kv_cache,
+        mamba,
+        plugin,
+        topology,
+    )
+
+    assert issubclass(connector_api.PortableConnectorBase, connector_api.KVConnectorBase_V1)
+    assert issubclass(connector_api.PortableConnectorBase, connector_api.SupportsHMA)
+    assert connector_api.KVConnectorWorkerMetadata is not None
+    for fn in (attention.get_attn_backend, attention.current_attn_backends,
+               attention.kv_layout, blocks.block_ids, blocks.unhashed_block_ids_all_groups,
+               blocks.hma_state, kv_cache.spec_kind, kv_cache.kv_cache_tensors,
+               kv_cache.group_facts, mamba.conv_state_layout, mamba.truncate_for_prefill,
+               config.dp_index, config.failure_policy, topology.target_remote_ranks,
+               plugin.register):
+        assert callable(fn)
+
+
+def test_missing_name_error_says_what_to_provide(monkeypatch):
+    from vllm_flagcx.compat.moved import MOVED_BY_KEY, MovedName
+
+    fake = MovedName("NotInVllm", "connector", ("vllm.no_such_module:Thing",), True,
+                     "a Thing for the test")
+    monkeypatch.setitem(MOVED_BY_KEY, "NotInVllm", fake)
+    with pytest.raises(probe.MissingCapability) as err:
+        probe.resolve("NotInVllm")
+    text = str(err.value)
+    assert "NotInVllm" in text and "vllm.no_such_module:Thing" in text
+    assert "a Thing for the test" in text
+    probe.clear_caches()
+
+
+def test_worker_metadata_shim_where_absent(matrix_build):
+    from vllm_flagcx.compat import connector_api
+
+    if matrix_build.profile["KVConnectorWorkerMetadata"] == "absent":
+        assert connector_api.KVConnectorWorkerMetadata.__name__ == "_WorkerMetadataShim"
+    else:
+        assert connector_api.KVConnectorWorkerMetadata is probe.resolve(
+            "KVConnectorWorkerMetadata")
+    assert (connector_api.KVConnectorTransferResults is None) == (
+        matrix_build.profile["KVConnectorTransferResults"] == "absent")
