@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from packaging.version import Version
+
 from vllm_flagcx.matrix import builds, tox_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +59,16 @@ def render_tox() -> str:
             f"    VLLM_FLAGCX_INSTALL = {build.install}",
             "",
         ]
+    newest = max(builds(), key=lambda b: Version(b.version))
     lines += [
+        "[testenv:doctor]",
+        f"description = the main job for now: vllm-flagcx doctor on the newest build "
+        f"(vLLM {newest.version})",
+        "set_env =",
+        "    {[testenv]set_env}",
+        f"    VLLM_FLAGCX_INSTALL = {newest.install}",
+        "commands = vllm-flagcx doctor {posargs}",
+        "",
         "[testenv:lint]",
         "description = ruff over the package, matrix, tests and benchmarks",
         "env_dir = {work_dir}/lint",

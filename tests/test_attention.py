@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import vllm_harness as harness
+
 from vllm_flagcx.compat import attention
 from vllm_flagcx.compat.probe import resolve
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import vllm_harness as harness
+
 from vllm_flagcx.compat import kv_cache
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.probe import resolve

@@ -5,9 +5,10 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
+from vllm_flagcx.matrix import build_by_env, build_for_version, builds, render
+
 from vllm_flagcx.compat.moved import MOVED_NAMES
 from vllm_flagcx.compat.probe import FEATURES
-from vllm_flagcx.matrix import build_by_env, build_for_version, builds, render
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,6 +26,8 @@ def test_tox_envs_equal_matrix_builds():
     for build in builds():
         section = tox[f"testenv:{build.env}"]
         assert f"VLLM_FLAGCX_INSTALL = {build.install}" in section["set_env"]
+    newest = max(builds(), key=lambda b: tuple(map(int, b.version.split("."))))
+    assert f"VLLM_FLAGCX_INSTALL = {newest.install}" in tox["testenv:doctor"]["set_env"]
 
 
 def test_required_builds_present():

@@ -59,6 +59,7 @@ def test_block_size_ratio():
 @pytest.fixture(scope="module")
 def attn_backend():
     import vllm_harness as harness
+
     from vllm_flagcx.compat import attention
 
     return attention.current_attn_backends(harness.make_vllm_config())[0]

@@ -29,7 +29,7 @@ SupportsHMA = resolve("SupportsHMA")
 KVConnectorTransferResults = optional("KVConnectorTransferResults")
 
 
-class _WorkerMetadataShim(abc.ABC):  # noqa: B024 - mirrors vLLM's ABC shape
+class _WorkerMetadataShim(abc.ABC):
     """Stand-in for ``KVConnectorWorkerMetadata`` on builds before 0.18 (never sent there)."""
 
     @abc.abstractmethod

@@ -45,7 +45,7 @@ def _import_attr(location: str) -> Any:
     return getattr(module, attr)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def locate(key: str) -> tuple[str | None, Any]:
     """(location, object) of a moved name, or (None, None) where no candidate imports."""
     entry = MOVED_BY_KEY[key]

@@ -54,10 +54,8 @@ def kv_heads_per_rank(tp: int, num_kv_heads: int) -> int:
 def head_range(rank: int, tp: int, num_kv_heads: int) -> tuple[int, int]:
     """[start, stop) of the global KV heads rank ``rank`` holds."""
     per_rank = kv_heads_per_rank(tp, num_kv_heads)
-    if is_kv_replicated(tp, num_kv_heads):
-        start = rank * num_kv_heads // tp
-    else:
-        start = rank * per_rank
+    # Sharded: rank * per_rank. Replicated (tp > heads): ranks share heads in order.
+    start = rank * num_kv_heads // tp
     return start, start + per_rank
 
 

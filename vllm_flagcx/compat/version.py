@@ -37,7 +37,7 @@ class VllmVersion:
     @property
     def release(self) -> tuple[int, int, int]:
         """(major, minor, micro); what API gates compare, local parts ignored."""
-        parts = tuple(self.version.release) + (0, 0, 0)
+        parts = (*self.version.release, 0, 0, 0)
         return (parts[0], parts[1], parts[2])
 
     @property
