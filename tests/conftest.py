@@ -62,9 +62,8 @@ _use_cpu_platform()
 @pytest.fixture(scope="session")
 def matrix_build():
     """The matrix build this tox env tests (from VLLM_FLAGCX_MATRIX_ENV or the version)."""
-    from vllm_flagcx.matrix import build_by_env, build_for_version
-
     from vllm_flagcx.compat.version import installed_version_string
+    from vllm_flagcx.matrix import build_by_env, build_for_version
 
     env = os.environ.get("VLLM_FLAGCX_MATRIX_ENV")
     if env and env.startswith("vllm"):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
-from vllm_flagcx.matrix import build_by_env, build_for_version, builds, render
-
 from vllm_flagcx.compat.moved import MOVED_NAMES
 from vllm_flagcx.compat.probe import FEATURES
+from vllm_flagcx.matrix import build_by_env, build_for_version, builds, render
 
 REPO = Path(__file__).resolve().parent.parent
 
