@@ -1,0 +1,151 @@
+"""Handshake messages between a prefill (P) and a decode (D) worker, and their checks.
+
+Two layers, as NIXL learned to do: a protocol version first (what schema follows), then a
+compatibility hash over *layout facts only*: model, dtype, KV cache dtype (fp8 variant
+included), per-group spec kind, block size, page bytes, conv layout. The vLLM version string
+is deliberately not hashed, so a Hygon ``0.20.0+das`` prefill pairs with a MetaX ``0.20.2``
+decode. When the hashes differ, the fact sheets are compared field by field, so the error
+names the field and both values. TP sizes are exchanged, not hashed: D learns P's TP
+itself instead of trusting a router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class HandshakeError(ValueError):
+    """P and D cannot pair, or a handshake message is malformed."""
+
+
+class SectionInfo(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    offset: int
+    units: int
+    unit_bytes: int
+    global_units: int
+    repeats: int = 1
+    repeat_stride: int = 0
+    replicated: bool = False
+
+
+class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    layer: str
+    group: int
+    kind: str
+    base: int
+    block_stride: int
+    num_blocks: int
+    block_bytes: int
+    sections: tuple[SectionInfo, ...] = ()
+
+
+class LayoutFacts(msgspec.Struct, frozen=True):
+    """What must be equal on P and D for bytes to mean the same thing."""
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    group_kinds: tuple[str, ...]
+    block_sizes: tuple[int, ...]
+    kernel_block_sizes: tuple[int, ...]
+    page_bytes: tuple[int, ...]
+    conv_layout: str
+    num_kv_heads: int
+
+
+class FactSheet(msgspec.Struct, frozen=True):
+    """Everything one worker advertises: layout facts, topology, regions, transport."""
+
+    protocol_version: int
+    engine_id: str
+    incarnation: str  # changes on every restart: cached peers from before are stale
+    layout: LayoutFacts
+    compat_hash: str
+    tp_size: int
+    tp_rank: int
+    pp_size: int = 1
+    dp_size: int = 1
+    dp_rank: int = 0
+    transport: str = ""
+    transport_desc: bytes = b""
+    regions: tuple[RegionInfo, ...] = ()
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True, tag="hello"):
+    protocol_version: int
+    tp_rank: int  # which P rank's sheet D wants
+
+
+class HandshakeReply(msgspec.Struct, frozen=True, tag="sheet"):
+    sheet: FactSheet
+
+
+class HandshakeRefused(msgspec.Struct, frozen=True, tag="refused"):
+    reason: str
+
+
+Message = HandshakeRequest | HandshakeReply | HandshakeRefused
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def compat_hash(layout: LayoutFacts) -> str:
+    """sha256 over the layout facts (and the protocol version), never the vLLM version."""
+    payload = msgspec.msgpack.encode((PROTOCOL_VERSION, layout))
+    return hashlib.sha256(payload).hexdigest()
+
+
+def make_sheet(*, layout: LayoutFacts, engine_id: str, incarnation: str, tp_size: int,
+               tp_rank: int, **kwargs: object) -> FactSheet:
+    return FactSheet(protocol_version=PROTOCOL_VERSION, engine_id=engine_id,
+                     incarnation=incarnation, layout=layout, compat_hash=compat_hash(layout),
+                     tp_size=tp_size, tp_rank=tp_rank, **kwargs)
+
+
+def encode(message: Message) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """Decode a side-channel message; anything else raises ``HandshakeError``."""
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise HandshakeError(f"malformed handshake message ({len(data)} bytes): {exc}") from exc
+
+
+def check_compatible(local: FactSheet, remote: FactSheet, *, skip_hash: bool = False) -> None:
+    """Raise ``HandshakeError`` naming the first differing fact and both values.
+
+    ``skip_hash`` (extra config ``enforce_handshake_compat: false``) is the escape hatch
+    for operators who know two layouts are byte-compatible although their facts differ.
+    """
+    if remote.protocol_version != local.protocol_version:
+        raise HandshakeError(
+            f"protocol_version: local {local.protocol_version}, remote "
+            f"{remote.protocol_version}; upgrade vllm-flagcx on both instances to the same "
+            "release")
+    if skip_hash:
+        return
+    expected = compat_hash(remote.layout)
+    if remote.compat_hash != expected:
+        raise HandshakeError(f"compat_hash of the remote sheet is {remote.compat_hash}, its "
+                             f"facts hash to {expected}: the sheet was altered or corrupted")
+    if remote.compat_hash == local.compat_hash:
+        return
+    for field in LayoutFacts.__struct_fields__:
+        mine, theirs = getattr(local.layout, field), getattr(remote.layout, field)
+        if mine != theirs:
+            raise HandshakeError(
+                f"incompatible peer {remote.engine_id!r}: {field} is {theirs!r} there and "
+                f"{mine!r} here; start both instances with the same value (or set "
+                "kv_connector_extra_config.enforce_handshake_compat=false if you know the "
+                "layouts are byte-compatible)")
+    raise HandshakeError("compat_hash differs but no layout fact does")  # pragma: no cover

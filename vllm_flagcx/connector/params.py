@@ -1,0 +1,83 @@
+"""``kv_transfer_params``: what a request carries between the router, P and D.
+
+Prefill returns them from ``request_finished``; the router forwards them to decode. They
+are user-reachable input (a router, a client), so parsing names the bad field and the fix
+instead of failing deep inside a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class TransferParamsError(ValueError):
+    """kv_transfer_params that cannot be acted on."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Decode side: where the KV of this request waits, and how it was computed."""
+
+    transfer_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    remote_engine_id: str
+    remote_block_sizes: tuple[int, ...]
+
+
+def _require(params: Mapping[str, Any], key: str, kind: type, fix: str) -> Any:
+    if key not in params:
+        raise TransferParamsError(f"kv_transfer_params.{key} is missing; {fix}")
+    value = params[key]
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise TransferParamsError(f"kv_transfer_params.{key} must be {kind.__name__}, got "
+                                  f"{type(value).__name__} {value!r}; {fix}")
+    return value
+
+
+_FROM_PREFILL = "forward the kv_transfer_params the prefill response returned, unchanged"
+
+
+def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
+    """Validate decode-side params (``do_remote_prefill``) from the router."""
+    if not isinstance(params, Mapping):
+        raise TransferParamsError(f"kv_transfer_params must be an object, got "
+                                  f"{type(params).__name__}")
+    transfer_id = _require(params, "transfer_id", str, _FROM_PREFILL)
+    host = _require(params, "remote_host", str, _FROM_PREFILL)
+    port = _require(params, "remote_port", int, _FROM_PREFILL)
+    tp = _require(params, "remote_tp_size", int, _FROM_PREFILL)
+    engine = _require(params, "remote_engine_id", str, _FROM_PREFILL)
+    sizes = params.get("remote_block_sizes", [])
+    if not transfer_id or not host or not engine:
+        raise TransferParamsError("kv_transfer_params.transfer_id, remote_host and "
+                                  f"remote_engine_id must be non-empty; {_FROM_PREFILL}")
+    if not 0 < port < 65536:
+        raise TransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port; "
+                                  f"{_FROM_PREFILL}")
+    if tp < 1:
+        raise TransferParamsError(f"kv_transfer_params.remote_tp_size={tp} must be >= 1; "
+                                  f"{_FROM_PREFILL}")
+    if not isinstance(sizes, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise TransferParamsError("kv_transfer_params.remote_block_sizes must be a list of "
+                                  f"positive ints, got {sizes!r}; {_FROM_PREFILL}")
+    return RemotePrefill(transfer_id, host, port, tp, engine, tuple(sizes))
+
+
+def remote_prefill_params(*, transfer_id: str, host: str, port: int, tp_size: int,
+                          engine_id: str, block_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """What prefill returns for decode (``request_finished_all_groups``)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_tp_size": tp_size,
+        "remote_engine_id": engine_id,
+        "remote_block_sizes": list(block_sizes),
+    }
