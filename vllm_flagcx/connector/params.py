@@ -32,7 +32,7 @@ def _require(params: Mapping[str, Any], key: str, kind: type, fix: str) -> Any:
     if key not in params:
         raise TransferParamsError(f"kv_transfer_params.{key} is missing; {fix}")
     value = params[key]
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise TransferParamsError(f"kv_transfer_params.{key} must be {kind.__name__}, got "
                                   f"{type(value).__name__} {value!r}; {fix}")
     return value
