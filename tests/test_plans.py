@@ -107,10 +107,15 @@ def test_partial_prefix_hit_sends_only_the_tail():
     buf_d = np.zeros_like(buf_p)
     regs_p = _attention_regions(buf_p, "layer_first", 1, 1, 16)
     regs_d = _attention_regions(buf_d, "layer_first", 1, 1, 16)
-    plan = plans.plan_transfer(regs_p, regs_d, [[3, 4, 5, 6]], [[9, 10]], RankPair(0, 1, 0, 1))
+    # D already holds the first two blocks of the prompt: it needs P's blocks 2 and 3.
+    plan = plans.plan_transfer(regs_p, regs_d, [[3, 4, 5, 6, 7]], [[9, 10]],
+                               RankPair(0, 1, 0, 1), receiver_offsets=[2])
     _copy(plan)
     np.testing.assert_array_equal(buf_d[:, [9, 10]], buf_p[:, [5, 6]])
     assert not buf_d[:, :9].any()
+    tails = plans.plan_transfer(regs_p, regs_d, [[3, 4, 5, 6, 7]], [[12]], RankPair(0, 1, 0, 1))
+    _copy(tails)
+    np.testing.assert_array_equal(buf_d[:, 12], buf_p[:, 7])
     with pytest.raises(PlanError, match="receiver expects 5 blocks"):
         plans.plan_transfer(regs_p, regs_d, [[1, 2]], [[1, 2, 3, 4, 5]], RankPair(0, 1, 0, 1))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
 
 _MISSING = object()
 
@@ -57,3 +57,25 @@ def resumed_request_ids(scheduler_output: Any, seen_new_before: set[str]) -> set
     if FEATURES_BY_KEY["resumed_requests"].probe() == "resumed_req_ids":
         return set(getattr(cached, "resumed_req_ids", ()) or ())
     return {r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id in seen_new_before}
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 where no TP group is initialised)."""
+    try:
+        return int(resolve("get_tensor_model_parallel_rank")())
+    except (AssertionError, AttributeError, RuntimeError):
+        return 0
+
+
+def gdn_conv_split(hf_config: Any, tp_size: int) -> Any | None:
+    """The [Q | K | V] conv channel split of a Gated DeltaNet layer on one rank."""
+    from vllm_flagcx.connector.regions import ConvSplit
+
+    text = getattr(hf_config, "text_config", hf_config)
+    try:
+        key = int(text.linear_num_key_heads) * int(text.linear_key_head_dim)
+        value = int(text.linear_num_value_heads) * int(text.linear_value_head_dim)
+    except (AttributeError, TypeError):
+        return None
+    return ConvSplit((("q", key // tp_size, key), ("k", key // tp_size, key),
+                      ("v", value // tp_size, value)))

@@ -124,6 +124,9 @@ MOVED_NAMES: tuple[MovedName, ...] = (
               "is_conv_state_dim_first / VLLM_SSM_CONV_STATE_LAYOUT (>= 0.17); else SD only"),
     MovedName("set_current_vllm_config", "config", ("vllm.config:set_current_vllm_config",), True,
               "set_current_vllm_config (selector and layout helpers read the current config)"),
+    MovedName("get_tensor_model_parallel_rank", "config",
+              ("vllm.distributed.parallel_state:get_tensor_model_parallel_rank",), True,
+              "get_tensor_model_parallel_rank (the worker's TP rank)"),
     # --- platform ------------------------------------------------------------------
     MovedName("current_platform", "platform", ("vllm.platforms:current_platform",), True,
               "vllm.platforms.current_platform"),

@@ -1,30 +1,63 @@
 """The entry class vLLM instantiates, once per role (scheduler process, each worker).
 
-It dispatches every hook to the half for its role. The halves are written against
-``vllm_flagcx.compat`` only.
+It dispatches every hook to the half for its role; both halves are written against
+``vllm_flagcx.compat`` only. The transport is injected: ``kv_connector_extra_config``
+``transport_factory`` names a ``module:callable`` taking ``(vllm_config, tp_rank)``.
+Nothing is started at import time; the worker half starts its side channel when the KV
+caches are registered.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
-from vllm_flagcx.compat.blocks import require_hma_for_mamba
+from vllm_flagcx.compat import config as compat_config
+from vllm_flagcx.compat import kv_cache as compat_kv
+from vllm_flagcx.compat.blocks import hma_state, require_hma_for_mamba
 from vllm_flagcx.compat.connector_api import (
     KVConnectorMetadata,
     PortableConnectorBase,
     role_is_scheduler,
 )
+from vllm_flagcx.connector.scheduler import (
+    FlagCXMetadataPayload,
+    SchedulerHalf,
+    SchedulerSettings,
+)
 
 logger = logging.getLogger("vllm_flagcx")
 
+DEFAULT_TRANSPORT_FACTORY = "vllm_flagcx.transport.flagcx:create_transport"
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+
 
 class FlagCXConnectorMetadata(KVConnectorMetadata):
-    """Per-step scheduler -> worker metadata: what to receive and what to send."""
+    """Per-step scheduler -> worker metadata: what to receive, send and release."""
 
-    def __init__(self) -> None:
-        self.recv: dict[str, Any] = {}
-        self.send: dict[str, Any] = {}
+    def __init__(self, payload: FlagCXMetadataPayload | None = None) -> None:
+        self.payload = payload or FlagCXMetadataPayload()
+
+    @property
+    def preempted_req_ids(self) -> set[str]:
+        return self.payload.preempted_req_ids
+
+    @preempted_req_ids.setter
+    def preempted_req_ids(self, value: set[str]) -> None:
+        self.payload.preempted_req_ids = set(value)
+
+
+def load_factory(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"kv_connector_extra_config.transport_factory={path!r} must be "
+                         "'module:callable'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"kv_connector_extra_config.transport_factory={path!r} cannot be "
+                         f"loaded ({exc}); name an importable 'module:callable'") from exc
 
 
 class FlagCXConnector(PortableConnectorBase):
@@ -34,29 +67,106 @@ class FlagCXConnector(PortableConnectorBase):
         super().__init__(vllm_config, role, kv_cache_config)
         require_hma_for_mamba(vllm_config, kv_cache_config)
         self.is_scheduler = role_is_scheduler(role)
+        ktc = vllm_config.kv_transfer_config
+        self._extra = lambda key, default=None: compat_config.extra_config(ktc, key, default)
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        base_port = int(self._extra("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT))
+        self.side_channel_port = base_port + compat_config.dp_index(parallel) * self.tp_size
+        self.engine_id = str(getattr(ktc, "engine_id", None) or "flagcx")
+        self.scheduler: SchedulerHalf | None = None
+        self.worker: Any = None
+        if self.is_scheduler:
+            self.scheduler = SchedulerHalf(SchedulerSettings(
+                engine_id=self.engine_id,
+                side_channel_host=str(self._extra("side_channel_host", "127.0.0.1")),
+                side_channel_port=self.side_channel_port, tp_size=self.tp_size,
+                lease_seconds=float(self._extra("lease_seconds", 30.0))), kv_cache_config)
+            logger.info("FlagCXConnector scheduler: engine %s, HMA %s, groups %s",
+                        self.engine_id, hma_state(vllm_config),
+                        [g.kind.value for g in self.scheduler.groups])
+        self._metadata_payload: FlagCXMetadataPayload | None = None
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return 0, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        return None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return FlagCXConnectorMetadata()
+        return FlagCXConnectorMetadata(self.scheduler.build_payload())
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(
+            getattr(connector_output, "finished_sending", None),
+            getattr(connector_output, "finished_recving", None))
+
+    def on_preemptions(self, req_ids: set[str]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_preemptions(req_ids)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        model = getattr(vllm_config, "model_config", None)
+        return None if getattr(model, "use_mla", False) else "HND"
 
     # ---------------------------------------------------------------- worker side
+    def _make_worker(self, regions: list[Any]) -> Any:
+        from vllm_flagcx.compat import mamba as compat_mamba
+        from vllm_flagcx.connector import handshake as hs
+        from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
+
+        vllm_config = self._vllm_config
+        model = vllm_config.model_config
+        groups = compat_kv.group_facts(self.kv_cache_config)
+        layout = hs.LayoutFacts(
+            model=str(model.model), dtype=str(model.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+            group_kinds=tuple(g.kind.value for g in groups),
+            block_sizes=tuple(g.block_size for g in groups),
+            kernel_block_sizes=tuple(g.block_size for g in groups),
+            page_bytes=model_page_bytes(regions, len(groups)),
+            conv_layout=compat_mamba.conv_state_layout(),
+            num_kv_heads=int(model.get_total_num_kv_heads()))
+        rank = compat_config.tp_rank()
+        transport = load_factory(str(self._extra("transport_factory",
+                                                  DEFAULT_TRANSPORT_FACTORY)))(vllm_config, rank)
+        lease = float(self._extra("lease_seconds", 30.0))
+        settings = WorkerSettings(
+            engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size, layout=layout,
+            bind_host=str(self._extra("side_channel_bind",
+                                      self._extra("side_channel_host", "127.0.0.1"))),
+            side_channel_port=self.side_channel_port,
+            handshake_timeout=float(self._extra("handshake_timeout", 5.0)),
+            recv_timeout=float(self._extra("recv_timeout", lease + 10.0)),
+            lease_seconds=lease,
+            skip_compat_hash=not bool(self._extra("enforce_handshake_compat", True)))
+        return WorkerHalf(settings, transport)
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        return None
+        from vllm_flagcx.compat import kv_layout
+        from vllm_flagcx.compat import mamba as compat_mamba
+
+        model = self._vllm_config.model_config
+        regions = kv_layout.regions_for_kv_caches(
+            kv_caches, self.kv_cache_config, self.tp_size, model.get_total_num_kv_heads(),
+            compat_mamba.conv_state_layout(),
+            compat_config.gdn_conv_split(model.hf_config, self.tp_size))
+        self.worker = self._make_worker(regions)
+        ktc = self._vllm_config.kv_transfer_config
+        self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, FlagCXConnectorMetadata):
+            self.worker.start_step(meta.payload)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -67,3 +177,18 @@ class FlagCXConnector(PortableConnectorBase):
 
     def wait_for_save(self) -> None:
         return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        if self.worker is None:
+            return None, None
+        sending, recving = self.worker.get_finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors() if self.worker else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None

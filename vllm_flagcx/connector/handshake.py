@@ -90,7 +90,37 @@ class HandshakeRefused(msgspec.Struct, frozen=True, tag="refused"):
     reason: str
 
 
-Message = HandshakeRequest | HandshakeReply | HandshakeRefused
+class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
+    """D asks one P rank to write ``transfer_id`` into these blocks (per KV cache group)."""
+
+    transfer_id: str
+    sheet: FactSheet  # the receiver's sheet: regions, TP, transport description
+    block_ids: tuple[tuple[int, ...], ...]
+    offsets: tuple[int | None, ...] = ()  # per group: local prefix hit in blocks, or tails
+
+
+class PullReply(msgspec.Struct, frozen=True, tag="pulled"):
+    """Per-request status: one reply per pull, never one status byte per batch."""
+
+    transfer_id: str
+    ok: bool
+    error: str = ""
+    num_bytes: int = 0
+    num_descriptors: int = 0
+
+
+class Release(msgspec.Struct, frozen=True, tag="release"):
+    """D no longer needs ``transfer_id`` (aborted, or fully hit locally): free it."""
+
+    transfer_id: str
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    transfer_id: str
+
+
+Message = (HandshakeRequest | HandshakeReply | HandshakeRefused | PullRequest | PullReply
+           | Release | Ack)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)

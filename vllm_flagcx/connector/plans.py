@@ -68,15 +68,22 @@ def expand_to_kernel_blocks(block_ids: Sequence[int] | np.ndarray, ratio: int) -
     return (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).reshape(-1)
 
 
-def align_block_ids(sender_ids: Sequence[int], receiver_ids: Sequence[int]
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Pair block ids: the receiver may need only the tail (partial prefix hit on D)."""
+def align_block_ids(sender_ids: Sequence[int], receiver_ids: Sequence[int],
+                    offset: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Pair block ids.
+
+    ``offset`` is the number of leading blocks the receiver already has (partial prefix
+    hit on D): it needs the sender's blocks from there on. ``None`` pairs the tails
+    (state and sliding-window groups, whose earlier blocks are gone on both sides).
+    """
     s = np.asarray(sender_ids, dtype=np.int64)
     r = np.asarray(receiver_ids, dtype=np.int64)
-    if r.size > s.size:
-        raise PlanError(f"receiver expects {r.size} blocks but the sender has {s.size}; "
-                        "the prefill computed fewer tokens than decode asked for")
-    return s[s.size - r.size:], r
+    start = s.size - r.size if offset is None else offset
+    if start < 0 or start + r.size > s.size:
+        raise PlanError(f"receiver expects {r.size} blocks from block {max(start, 0)} but "
+                        f"the sender has {s.size}; the prefill computed fewer tokens than "
+                        "decode asked for")
+    return s[start:start + r.size], r
 
 
 def _section_segments(s: Section, r: Section, pair: RankPair) -> list[tuple[int, int, int]]:
@@ -176,11 +183,13 @@ def plan_region(sender: Region, receiver: Region, sender_ids: np.ndarray,
 def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[Region],
                   sender_block_ids: Sequence[Sequence[int]],
                   receiver_block_ids: Sequence[Sequence[int]], pair: RankPair,
-                  kernel_ratios: Sequence[int] | None = None) -> TransferPlan:
+                  kernel_ratios: Sequence[int] | None = None,
+                  receiver_offsets: Sequence[int | None] | None = None) -> TransferPlan:
     """The full plan for one request between one sender rank and one receiver rank.
 
     Block ids are per KV cache group (HMA), logical; ``kernel_ratios[g]`` expands group
-    ``g``'s logical ids to the kernel blocks the regions are laid out in.
+    ``g``'s logical ids to the kernel blocks the regions are laid out in;
+    ``receiver_offsets[g]`` is the receiver's local prefix hit in blocks (None: tails).
     """
     receivers = {r.name: r for r in receiver_regions}
     if len(receivers) != len(receiver_regions) or {r.name for r in sender_regions} != set(
@@ -191,9 +200,10 @@ def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[R
         raise PlanError(f"sender has {len(sender_block_ids)} KV cache groups, receiver "
                         f"{len(receiver_block_ids)}")
     ratios = list(kernel_ratios or [1] * len(sender_block_ids))
+    offsets = list(receiver_offsets or [None] * len(sender_block_ids))
     paired = []
     for g, (s_ids, r_ids) in enumerate(zip(sender_block_ids, receiver_block_ids, strict=True)):
-        s, r = align_block_ids(s_ids, r_ids)
+        s, r = align_block_ids(s_ids, r_ids, offsets[g])
         paired.append((expand_to_kernel_blocks(s, ratios[g]),
                        expand_to_kernel_blocks(r, ratios[g])))
     parts = []
@@ -208,7 +218,31 @@ def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[R
                     np.concatenate([p.length for p in parts]))
 
 
-def sender_ranks_for(receiver_rank: int, receiver_tp: int, sender_tp: int,
-                     num_kv_heads: int, is_mla: bool = False) -> list[int]:
-    """The sender ranks a receiver rank hears from (what it waits for)."""
-    return target_remote_ranks(receiver_rank, receiver_tp, sender_tp, num_kv_heads, is_mla)
+def _sends(section: Section, sender_rank: int, sender_tp: int, receiver_rank: int,
+           receiver_tp: int) -> bool:
+    units = 1 if section.replicated else section.global_units
+    if sender_rank not in target_remote_ranks(receiver_rank, receiver_tp, sender_tp, units,
+                                              is_mla=section.replicated):
+        return False
+    if section.replicated:
+        return True
+    s_lo, s_hi = head_range(sender_rank, sender_tp, units)
+    r_lo, r_hi = head_range(receiver_rank, receiver_tp, units)
+    return max(s_lo, r_lo) < min(s_hi, r_hi)
+
+
+def senders_of(receiver_rank: int, receiver_tp: int, sender_tp: int,
+               regions: Sequence[Region]) -> list[int]:
+    """Sender ranks that write something into this receiver rank (union over sections:
+    attention heads may be replicated while conv channels are sharded)."""
+    sections = {s for r in regions for s in r.sections}
+    return sorted({p for p in range(sender_tp) for s in sections
+                   if _sends(s, p, sender_tp, receiver_rank, receiver_tp)})
+
+
+def receivers_of(sender_rank: int, sender_tp: int, receiver_tp: int,
+                 regions: Sequence[Region]) -> list[int]:
+    """Receiver ranks this sender rank writes into: how many pulls to expect."""
+    sections = {s for r in regions for s in r.sections}
+    return sorted({d for d in range(receiver_tp) for s in sections
+                   if _sends(s, sender_rank, sender_tp, d, receiver_tp)})

@@ -1,0 +1,219 @@
+"""A prefill and a decode instance in one process: REAL vLLM Schedulers and our workers.
+
+Each instance is vLLM's real ``Scheduler`` (with FlagCXConnector's scheduler half, built by
+vLLM's own factory) plus one ``WorkerHalf`` per TP rank over CPU KV tensors laid out the way
+vLLM lays them out (hybrid: attention restrided blocks-first with HND heads, GDN
+``[conv, ssm]`` views into the same page). ``step`` plays the part of the model runner,
+which cannot run here: it binds the step's connector metadata to every worker, collects
+``get_finished`` from all ranks (a request is done when every rank says so, as vLLM's output
+aggregator does) and feeds a real ``ModelRunnerOutput`` back to the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import vllm_harness as harness
+from transport_standin import Faults, MemmoveTransport
+from vllm_flagcx.compat import kv_cache, kv_layout
+from vllm_flagcx.compat.connector_api import make_connector_output
+from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector.regions import ConvSplit
+from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
+
+KV_HEADS, HEAD_DIM, BLOCK = 2, 256, 16
+KEY_DIM, VALUE_DIM, SSM_HEADS, SSM_DIM, CONV_WIDTH = 64, 128, 4, 32, 3
+
+
+@dataclass
+class RankCaches:
+    config: Any  # the rank's KVCacheConfig (per-rank specs)
+    raw: list[torch.Tensor]
+    caches: dict[str, Any]
+
+
+def rank_kv_cache_config(tp: int, num_blocks: int, repeats: int = 2) -> Any:
+    """The KVCacheConfig one TP rank of the tiny hybrid sees (heads and channels / tp)."""
+    heads = max(1, KV_HEADS // tp)
+    attention = kv_cache.make_full_attention_spec(block_size=BLOCK, num_kv_heads=heads,
+                                                  head_size=HEAD_DIM, dtype=torch.bfloat16)
+    page = attention.page_size_bytes
+    conv_dim = (2 * KEY_DIM + VALUE_DIM) // tp
+    gdn = kv_cache.make_mamba_spec(block_size=BLOCK,
+                                   shapes=((CONV_WIDTH, conv_dim),
+                                           (SSM_HEADS // tp, SSM_DIM, SSM_DIM)),
+                                   dtypes=(torch.bfloat16, torch.float32),
+                                   mamba_type="gdn_attention", page_size_padded=page)
+    layout = harness.HybridLayout(repeats=repeats, num_blocks=num_blocks)
+    gdn_groups = [layout.gdn_layers[i::3] for i in range(3)]
+    groups = [(layout.attention_layers, attention)] + [(n, gdn) for n in gdn_groups]
+    tensors = [(page * num_blocks, [layout.attention_layers[r]] + [g[r] for g in gdn_groups])
+               for r in range(repeats)]
+    return kv_cache.make_kv_cache_config(num_blocks=num_blocks, groups=groups, tensors=tensors)
+
+
+def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
+    """Random-filled caches viewed as vLLM does (one int8 buffer per KVCacheTensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = {n: g.kv_cache_spec for g in config.kv_cache_groups for n in g.layer_names}
+    raws, caches = [], {}
+    for size, names in kv_cache.kv_cache_tensors(config):
+        raw = torch.randint(-128, 127, (size,), dtype=torch.int8, generator=gen)
+        raws.append(raw)
+        nb = config.num_blocks
+        for name in names:
+            spec = specs[name]
+            page = spec.page_size_bytes
+            if kv_cache.spec_kind(spec) is kv_cache.SpecKind.MAMBA:
+                (w, c), ssm_shape = spec.shapes
+                conv_shape = (w, c) if conv_layout == "SD" else (c, w)
+                conv = torch.as_strided(raw.view(torch.bfloat16), (nb, *conv_shape),
+                                        (page // 2, conv_shape[1], 1))
+                conv_bytes = w * c * 2
+                ssm = torch.as_strided(raw.view(torch.float32), (nb, *ssm_shape),
+                                       (page // 4, ssm_shape[1] * ssm_shape[2], ssm_shape[2],
+                                        1), storage_offset=conv_bytes // 4)
+                caches[name] = [conv, ssm]
+            else:
+                h = spec.num_kv_heads
+                phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
+                caches[name] = phys.permute(1, 0, 3, 2, 4)  # logical (2, B, N, H, D)
+    return RankCaches(config, raws, caches)
+
+
+@dataclass
+class Instance:
+    scheduler: Any
+    workers: list[WorkerHalf]
+    ranks: list[RankCaches]
+    tp: int
+    finished: Counter = field(default_factory=Counter)
+    recv_tasks: dict[str, Any] = field(default_factory=dict)
+    send_tasks: dict[str, Any] = field(default_factory=dict)
+    outputs: list[Any] = field(default_factory=list)
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        payload = getattr(meta, "payload", None)
+        if payload is not None:
+            self.recv_tasks.update(payload.recv)
+            self.send_tasks.update(payload.send)
+            for worker in self.workers:
+                worker.start_step(payload)
+        sending, recving, invalid = Counter(), Counter(), set()
+        for worker in self.workers:
+            s, r = worker.get_finished()
+            sending.update(s)
+            recving.update(r)
+            invalid |= worker.get_block_ids_with_load_errors()
+        self.finished.update({f"s:{k}": v for k, v in sending.items()})
+        self.finished.update({f"r:{k}": v for k, v in recving.items()})
+        done_s = {k[2:] for k, v in self.finished.items() if k[0] == "s" and v == self.tp}
+        done_r = {k[2:] for k, v in self.finished.items() if k[0] == "r" and v == self.tp}
+        for key in [f"s:{k}" for k in done_s] + [f"r:{k}" for k in done_r]:
+            del self.finished[key]
+        kv_out = make_connector_output(finished_sending=done_s or None,
+                                       finished_recving=done_r or None,
+                                       invalid_block_ids=invalid)
+        self.outputs.append(self.scheduler.update_from_output(
+            out, harness.model_output(out, kv_connector_output=kv_out)))
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+
+
+def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
+                   num_blocks: int = 48, faults: Faults | None = None, seed: int = 0,
+                   lease_seconds: float = 30.0, recv_timeout: float = 10.0) -> Instance:
+    config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True, kv_role=role,
+                                      extra_config={"side_channel_port": port,
+                                                    "lease_seconds": lease_seconds})
+    # The instance's TP size as its scheduler sees it (no worker processes run here).
+    config.parallel_config.tensor_parallel_size = tp
+    ranks = [allocate(rank_kv_cache_config(tp, num_blocks), conv_layout, seed * 100 + r)
+             for r in range(tp)]
+    if tp > KV_HEADS:  # replicated KV heads hold the same bytes on every rank that has them
+        from vllm_flagcx.compat.topology import head_range
+
+        for rank in range(tp):
+            first = next(r for r in range(tp)
+                         if head_range(r, tp, KV_HEADS) == head_range(rank, tp, KV_HEADS))
+            for layer in harness.HybridLayout().attention_layers:
+                ranks[rank].caches[layer].copy_(ranks[first].caches[layer])
+    scheduler = harness.make_scheduler(config, ranks[0].config)
+    split = ConvSplit((("q", KEY_DIM // tp, KEY_DIM), ("k", KEY_DIM // tp, KEY_DIM),
+                       ("v", VALUE_DIM // tp, VALUE_DIM)))
+    workers = []
+    for rank, caches in enumerate(ranks):
+        regions = kv_layout.regions_for_kv_caches(caches.caches, caches.config, tp, KV_HEADS,
+                                                  conv_layout, split)
+        groups = kv_cache.group_facts(caches.config)
+        layout = hs.LayoutFacts(
+            model="tiny-hybrid", dtype="bfloat16", kv_cache_dtype="auto",
+            group_kinds=tuple(g.kind.value for g in groups),
+            block_sizes=tuple(g.block_size for g in groups),
+            kernel_block_sizes=tuple(g.block_size for g in groups),
+            page_bytes=model_page_bytes(regions, len(groups)), conv_layout=conv_layout,
+            num_kv_heads=KV_HEADS)
+        worker = WorkerHalf(WorkerSettings(engine_id=role, tp_rank=rank, tp_size=tp,
+                                           layout=layout, side_channel_port=port,
+                                           lease_seconds=lease_seconds,
+                                           recv_timeout=recv_timeout,
+                                           handshake_timeout=2.0),
+                            MemmoveTransport(faults))
+        worker.register_regions(regions, serve=role == "kv_producer")
+        workers.append(worker)
+    return Instance(scheduler, workers, ranks, tp)
+
+
+def run_pd(p: Instance, d: Instance, prompts: list[int], max_tokens: int = 3,
+           timeout: float = 60.0) -> dict[str, Any]:
+    """Prefill then decode each prompt as the router would; returns per-prompt records."""
+    records = {}
+    for i, n in enumerate(prompts):
+        tid = f"xfer-{i}-{time.monotonic_ns()}"
+        req = harness.make_request(n, max_tokens=1,
+                                   kv_transfer_params={"do_remote_decode": True,
+                                                       "transfer_id": tid})
+        p.scheduler.add_request(req)
+        records[tid] = {"p_req": req.request_id, "tokens": n}
+    deadline = time.monotonic() + timeout
+    p_ids = {r["p_req"] for r in records.values()}
+    while not p_ids <= set(finished_ids(p)) and time.monotonic() < deadline:
+        p.step()
+    params = {}
+    for step in p.outputs:
+        for eng in step.values():
+            for o in eng.outputs:
+                if o.kv_transfer_params:
+                    params[o.kv_transfer_params["transfer_id"]] = o.kv_transfer_params
+    for tid, rec in records.items():
+        rec["params"] = params.get(tid)
+        req = harness.make_request(rec["tokens"], max_tokens=max_tokens,
+                                   kv_transfer_params=dict(rec["params"] or {}))
+        d.scheduler.add_request(req)
+        rec["d_req"] = req.request_id
+    while (d.scheduler.has_requests() or p.scheduler.has_requests()
+           or p.workers[0]._armed) and time.monotonic() < deadline:
+        p.step()
+        d.step()
+        time.sleep(0.002)
+    return records
+
+
+def finished_ids(instance: Instance) -> dict[str, str]:
+    """request id -> finish reason, over every step's engine outputs."""
+    out = {}
+    for step in instance.outputs:
+        for eng in step.values():
+            for o in eng.outputs:
+                if o.finish_reason is not None:
+                    out[o.request_id] = str(o.finish_reason)
+    return out

@@ -1,0 +1,116 @@
+"""Full request lifecycle through the real schedulers of a P and a D instance.
+
+P's caches are random bytes; after the transfer, every D block must equal the P block it
+was paired with, byte for byte, for attention heads, conv channels and ssm heads sliced
+per TP rank. Both schedulers must end empty: no request, no block in use.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import pd_harness as pd
+import vllm_harness as harness
+from vllm_flagcx.compat.topology import head_range
+
+_ports = itertools.count(26100, 10)
+
+
+def _attn_global(inst, layer, block):
+    """(2, H_global, N, D) bytes of one attention block, gathered over the ranks."""
+    parts = [None] * pd.KV_HEADS
+    for rank, caches in enumerate(inst.ranks):
+        t = caches.caches[layer][:, block]  # (2, N, H_l, D)
+        lo, hi = head_range(rank, inst.tp, pd.KV_HEADS)
+        for h in range(lo, hi):
+            parts[h] = t[:, :, h - lo].contiguous().view(torch.uint8).numpy()
+    return np.stack(parts, axis=1)
+
+
+def _ssm_global(inst, layer, block):
+    return np.concatenate([c.caches[layer][1][block].contiguous().view(torch.uint8).numpy()
+                           for c in inst.ranks])
+
+
+def _conv_global(inst, layer, block, conv_layout):
+    """Conv channels in global order [Q | K | V], gathered over the ranks."""
+    parts = {"q": [], "k": [], "v": []}
+    for caches in inst.ranks:
+        conv = caches.caches[layer][0][block]
+        conv = conv if conv_layout == "DS" else conv.t()  # (channels, width)
+        q, k = pd.KEY_DIM // inst.tp, pd.KEY_DIM // inst.tp
+        parts["q"].append(conv[:q])
+        parts["k"].append(conv[q:q + k])
+        parts["v"].append(conv[q + k:])
+    return torch.cat([torch.cat(parts[x]) for x in "qkv"]).contiguous().view(torch.uint8).numpy()
+
+
+def _check_bytes(p, d, records, conv_layout):
+    layout = harness.HybridLayout()
+    checked = 0
+    for rec in records.values():
+        send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
+        recv = d.recv_tasks[rec["d_req"]]
+        p_attn, d_attn = send.block_ids[0], recv.block_ids[0]
+        assert len(d_attn) == len(p_attn)
+        for layer in layout.attention_layers:
+            for pb, db in zip(p_attn, d_attn, strict=True):
+                np.testing.assert_array_equal(_attn_global(d, layer, db),
+                                              _attn_global(p, layer, pb))
+                checked += 1
+        for group in range(1, 4):
+            pb, db = send.block_ids[group][-1], recv.block_ids[group][-1]
+            for layer in layout.gdn_layers[group - 1::3]:
+                np.testing.assert_array_equal(_ssm_global(d, layer, db),
+                                              _ssm_global(p, layer, pb))
+                np.testing.assert_array_equal(_conv_global(d, layer, db, conv_layout),
+                                              _conv_global(p, layer, pb, conv_layout))
+                checked += 1
+    return checked
+
+
+def _assert_empty(inst):
+    assert not inst.scheduler.has_requests()
+    assert harness.blocks_in_use(inst.scheduler) == 0
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4)])
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"])
+def test_hybrid_pd_bytes_equal(p_tp, d_tp, conv_layout):
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", p_tp, port, conv_layout, seed=1)
+    d = pd.build_instance("kv_consumer", d_tp, port + 5, conv_layout, seed=2)
+    try:
+        records = pd.run_pd(p, d, prompts=[37, 16, 70])
+        assert all(r["params"] and r["params"]["remote_tp_size"] == p_tp
+                   for r in records.values())
+        assert _check_bytes(p, d, records, conv_layout) > 0
+        finished = pd.finished_ids(d)
+        assert {r["d_req"] for r in records.values()} <= set(finished)
+        _assert_empty(p)
+        _assert_empty(d)
+        assert sum(w.stats["send_bytes"] for w in p.workers) > 0
+        assert all(w.ledger.counts == {} for w in p.workers + d.workers)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_n_minus_one_rule_on_both_sides():
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 1, port)
+    d = pd.build_instance("kv_consumer", 1, port + 5)
+    try:
+        records = pd.run_pd(p, d, prompts=[33])
+        rec = next(iter(records.values()))
+        recv = d.recv_tasks[rec["d_req"]]
+        assert recv.num_tokens == 32  # decode loads N-1 and recomputes the last token
+        send = next(iter(p.send_tasks.values()))
+        assert len(send.block_ids[0]) == 2  # prefill computed 32 tokens = 2 blocks
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -1,0 +1,96 @@
+"""STAND-IN transport for tests: really copies bytes between CPU tensors (memmove).
+
+It implements the package's ``Transport`` interface within one process (P and D workers
+of a test live in the same process), standing in for FlagCX's RDMA engine, which cannot
+exist on a machine without an RDMA NIC and libflagcx. Every write is checked against the
+peer's registered ranges, as a NIC would. Fault knobs make it fail on purpose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_flagcx.transport.base import Transport, TransportError, WriteResult
+
+_ENDPOINTS: dict[bytes, MemmoveTransport] = {}
+_ids = itertools.count()
+_lock = threading.Lock()
+
+
+@dataclass
+class Faults:
+    fail_register: bool = False
+    fail_connect: bool = False
+    fail_write_from: int | None = None  # the N-th write (0-based) and later fail
+    silent_skip_from: int | None = None  # report success but copy nothing (RDMA slice loss)
+    delay_seconds: float = 0.0
+
+
+class MemmoveTransport(Transport):
+    """Stand-in: one endpoint per worker; ``write`` memmoves into the peer's memory."""
+
+    name = "memmove-standin"
+
+    def __init__(self, faults: Faults | None = None) -> None:
+        self.faults = faults or Faults()
+        self.ranges: list[tuple[int, int]] = []
+        self.writes = 0
+        self.connects = 0
+        self._desc = f"memmove:{next(_ids)}".encode()
+        with _lock:
+            _ENDPOINTS[self._desc] = self
+
+    def register(self, address: int, size: int) -> None:
+        if self.faults.fail_register:
+            raise TransportError(f"register({address:#x}, {size}) refused (fault knob)")
+        self.ranges.append((address, address + size))
+
+    def describe(self) -> bytes:
+        return self._desc
+
+    def connect(self, peer: bytes) -> MemmoveTransport:
+        if self.faults.fail_connect:
+            raise TransportError(f"connect to {peer!r} refused (fault knob)")
+        self.connects += 1
+        with _lock:
+            endpoint = _ENDPOINTS.get(peer)
+        if endpoint is None:
+            raise TransportError(f"no endpoint {peer!r}")
+        return endpoint
+
+    @staticmethod
+    def _inside(ranges: list[tuple[int, int]], start: np.ndarray, end: np.ndarray) -> bool:
+        ok = np.zeros(start.shape, dtype=bool)
+        for lo, hi in ranges:
+            ok |= (start >= lo) & (end <= hi)
+        return bool(ok.all())
+
+    def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
+              length: np.ndarray) -> WriteResult:
+        index, self.writes = self.writes, self.writes + 1
+        if self.faults.delay_seconds:
+            time.sleep(self.faults.delay_seconds)
+        f = self.faults
+        if f.fail_write_from is not None and index >= f.fail_write_from:
+            return WriteResult(False, f"write {index} failed (fault knob)")
+        peer: MemmoveTransport = handle  # type: ignore[assignment]
+        src, dst, length = (a.astype(np.int64) for a in (src, dst, length))
+        if not self._inside(self.ranges, src, src + length):
+            return WriteResult(False, "source outside registered memory")
+        if not self._inside(peer.ranges, dst, dst + length):
+            return WriteResult(False, "destination outside the peer's registered memory")
+        if f.silent_skip_from is not None and index >= f.silent_skip_from:
+            return WriteResult(True, "", int(length.sum()))  # the lie FlagCX can tell
+        for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+            ctypes.memmove(d, s, n)
+        return WriteResult(True, "", int(length.sum()))
+
+    def close(self) -> None:
+        with _lock:
+            _ENDPOINTS.pop(self._desc, None)

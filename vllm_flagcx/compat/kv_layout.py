@@ -1,0 +1,111 @@
+"""Read the KV cache tensors vLLM hands to ``register_kv_caches`` into connector regions.
+
+The only place that knows how each release lays KV memory out (the connector's region
+functions take plain numbers):
+
+* <= 0.22 attention: 5-d ``(2, num_blocks, ...)``. Layer-first (K/V split, stride(0) >
+  stride(1)) gives two regions; after vLLM's hybrid restride (stride(1) > stride(0)) the
+  same shape is blocks-first, K and V inside each block. Heads must be the outer dimension
+  inside a block (HND) to be sliced for heterogeneous TP.
+* <= 0.22 Mamba: a list ``[conv, ssm]`` of views into one page: conv at 0, ssm right after.
+* MLA: 3-d ``(num_blocks, block_size, head_size)``, one region.
+* 0.34: every attention layer is one ``[B, H, N, C]`` tensor with K||V in C; a Mamba layer
+  is one int8 page view.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
+from vllm_flagcx.connector import regions as R
+
+
+def _nbytes_stride(tensor: Any, dim: int) -> int:
+    return int(tensor.stride(dim)) * int(tensor.element_size())
+
+
+def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
+                      total_kv_heads: int) -> list[R.Region]:
+    kind = spec_kind(spec).value
+    if cache.dim() == 5 and cache.shape[0] == 2:
+        k, v = cache[0], cache[1]  # logical (B, N, H, D); HND when heads stride outermost
+        heads = int(spec.num_kv_heads)
+        if k.dim() == 4 and k.stride(2) > k.stride(1):
+            head_bytes = _nbytes_stride(k, 2)
+        elif heads == 1 or tp_size == 1:
+            head_bytes = int(k[0].numel() * k.element_size()) // heads
+        else:
+            raise R.RegionError(f"{name}: heads are not the outer dimension of a block (NHD);"
+                                " heterogeneous TP needs the HND layout")
+        common = dict(layer=name, group=group, kind=kind, num_blocks=int(k.shape[0]),
+                      heads=heads, global_heads=total_kv_heads, head_bytes=head_bytes)
+        if cache.stride(0) > cache.stride(1):
+            return R.attention_layer_first(k_base=k.data_ptr(), v_base=v.data_ptr(),
+                                           block_stride=_nbytes_stride(k, 0), **common)
+        v_offset = v.data_ptr() - k.data_ptr()
+        if v_offset != heads * head_bytes:
+            raise R.RegionError(f"{name}: V starts {v_offset} bytes after K in a block, "
+                                f"expected {heads * head_bytes}")
+        return R.attention_blocks_first(base=k.data_ptr(), block_stride=_nbytes_stride(k, 0),
+                                        **common)
+    if cache.dim() == 4:  # 0.34 [B, H, N, C], K||V in C
+        heads = int(cache.shape[1])
+        return R.attention_packed_kv(layer=name, group=group, kind=kind,
+                                     base=cache.data_ptr(),
+                                     block_stride=_nbytes_stride(cache, 0),
+                                     num_blocks=int(cache.shape[0]), heads=heads,
+                                     global_heads=total_kv_heads,
+                                     head_bytes=_nbytes_stride(cache, 1))
+    raise R.RegionError(f"{name}: attention cache of shape {tuple(cache.shape)} is not a "
+                        "known layout")
+
+
+def mla_regions(name: str, cache: Any, spec: Any, group: int) -> list[R.Region]:
+    return R.mla(layer=name, group=group, base=cache.data_ptr(),
+                 block_stride=_nbytes_stride(cache, 0), num_blocks=int(cache.shape[0]),
+                 page_bytes=int(spec.page_size_bytes))
+
+
+def mamba_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
+                  conv_layout: str, conv_split: R.ConvSplit | None) -> list[R.Region]:
+    if not isinstance(cache, (list, tuple)) or len(cache) != 2:
+        raise R.RegionError(f"{name}: expected the [conv, ssm] state views of a Mamba layer")
+    conv, ssm = cache
+    if conv_layout == "DS":
+        channels, state_len = int(conv.shape[1]), int(conv.shape[2])
+    else:
+        state_len, channels = int(conv.shape[1]), int(conv.shape[2])
+    split = conv_split or R.ConvSplit((("conv", channels, channels * tp_size),))
+    if split.channels != channels:
+        raise R.RegionError(f"{name}: conv split covers {split.channels} channels, the state "
+                            f"has {channels}")
+    ssm_heads = int(ssm.shape[1])
+    return R.mamba(layer=name, group=group, base=conv.data_ptr(),
+                   block_stride=_nbytes_stride(conv, 0), num_blocks=int(conv.shape[0]),
+                   conv_layout=conv_layout, conv_split=split, conv_state_len=state_len,
+                   conv_elem_bytes=int(conv.element_size()), ssm_heads=ssm_heads,
+                   ssm_global_heads=ssm_heads * tp_size,
+                   ssm_head_bytes=int(ssm[0, 0].numel() * ssm.element_size()),
+                   page_bytes=int(spec.page_size_bytes))
+
+
+def regions_for_kv_caches(kv_caches: dict[str, Any], kv_cache_config: Any, tp_size: int,
+                          total_kv_heads: int, conv_layout: str,
+                          conv_split: R.ConvSplit | None = None) -> list[R.Region]:
+    """Regions of every layer vLLM registered, in KV cache group order."""
+    out: list[R.Region] = []
+    for group_index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = spec_kind(spec)
+        for name in group.layer_names:
+            cache = kv_caches[name]
+            if kind is SpecKind.MAMBA:
+                out += mamba_regions(name, cache, spec, group_index, tp_size, conv_layout,
+                                     conv_split)
+            elif kind is SpecKind.MLA:
+                out += mla_regions(name, cache, spec, group_index)
+            else:
+                out += attention_regions(name, cache, spec, group_index, tp_size,
+                                         total_kv_heads)
+    return out

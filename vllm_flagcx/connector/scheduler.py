@@ -1,0 +1,200 @@
+"""Scheduler half of FlagCXConnector: which requests load, which send, when blocks free.
+
+Decode side (``do_remote_prefill``): every prompt token not computed locally is loaded
+asynchronously (N-1 with Mamba/GDN groups: decode recomputes the last token to derive the
+state after it). The blocks allocated for them, per KV cache group, go to the workers.
+
+Prefill side (``do_remote_decode``): a Mamba model's request is truncated by one token
+(once, also under preemption); when it finishes, its blocks are held (``True`` from
+``request_finished_all_groups``) until the workers report the send done or the lease
+expired, and the returned ``kv_transfer_params`` carry what decode needs.
+
+A decode request aborted before its KV arrived sends a release to prefill, so prefill frees
+its blocks now instead of at lease expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_flagcx.compat import blocks as compat_blocks
+from vllm_flagcx.compat import kv_cache as compat_kv
+from vllm_flagcx.compat import mamba as compat_mamba
+from vllm_flagcx.compat.kv_cache import SpecKind
+from vllm_flagcx.connector.params import (
+    RemotePrefill,
+    TransferParamsError,
+    parse_remote_prefill,
+    remote_prefill_params,
+)
+
+logger = logging.getLogger("vllm_flagcx")
+
+
+@dataclass
+class RecvTask:
+    """Decode: load these local blocks (per group) from the prefill named in ``remote``."""
+
+    request_id: str
+    remote: RemotePrefill
+    block_ids: list[list[int]]
+    num_tokens: int
+    offsets: list[int | None] = field(default_factory=list)  # per group, see plans
+
+
+@dataclass
+class SendTask:
+    """Prefill: these blocks (per group) hold the KV of ``transfer_id`` until released."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[list[int]]
+    deadline: float
+
+
+@dataclass
+class FlagCXMetadataPayload:
+    """The per-step content of the connector metadata (scheduler -> workers)."""
+
+    recv: dict[str, RecvTask] = field(default_factory=dict)
+    send: dict[str, SendTask] = field(default_factory=dict)
+    release: dict[str, RemotePrefill] = field(default_factory=dict)  # transfer_id -> prefill
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    tp_size: int
+    lease_seconds: float = 30.0
+
+
+def clip_to_window(block_ids: list[int], window_tokens: int | None, block_size: int
+                   ) -> list[int]:
+    """Sliding-window groups only need the blocks the window can still see."""
+    if window_tokens is None:
+        return block_ids
+    keep = math.ceil(window_tokens / block_size) + 1
+    return block_ids[-keep:]
+
+
+class SchedulerHalf:
+    def __init__(self, settings: SchedulerSettings, kv_cache_config: Any) -> None:
+        self.settings = settings
+        self.groups = compat_kv.group_facts(kv_cache_config) if kv_cache_config else []
+        self.has_mamba = any(g.kind is SpecKind.MAMBA for g in self.groups)
+        self.hash_block_size = min((g.block_size for g in self.groups), default=0)
+        self._pending = FlagCXMetadataPayload()
+        self._armed: dict[str, SendTask] = {}  # request_id -> held send
+        self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
+        self._local_hit: dict[str, int] = {}  # request_id -> tokens D had locally
+        self.rejected_params = 0
+
+    # -------------------------------------------------------------------- decode side
+    def _remote(self, request: Any) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return parse_remote_prefill(params)
+        except TransferParamsError as exc:
+            # Bad input never strands a request: it is computed locally instead.
+            self.rejected_params += 1
+            logger.warning("request %s: %s; computing it locally", request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and self.has_mamba:
+            compat_mamba.truncate_for_prefill(request, self.hash_block_size)
+        if self._remote(request) is None:
+            return 0, False
+        wanted = compat_mamba.remote_prefill_token_count(request.num_prompt_tokens,
+                                                         self.has_mamba)
+        count = wanted - num_computed_tokens
+        self._local_hit[request.request_id] = num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        remote = self._remote(request)
+        if remote is None:
+            return
+        request.kv_transfer_params["do_remote_prefill"] = False  # never load twice
+        if num_external_tokens <= 0:
+            # Everything was a local hit: prefill still holds blocks; free them there.
+            self._pending.release[remote.transfer_id] = remote
+            return
+        per_group = compat_blocks.unhashed_block_ids_all_groups(blocks)
+        local_hit = self._local_hit.pop(request.request_id, 0)
+        ids, offsets = [], []
+        for facts, group in zip(self.groups, per_group, strict=True):
+            group = compat_blocks.strip_null_blocks(group)
+            if facts.kind is SpecKind.SLIDING_WINDOW:
+                group = clip_to_window(group, facts.sliding_window, facts.block_size)
+            ids.append(group)
+            full = facts.kind in (SpecKind.FULL_ATTENTION, SpecKind.MLA)
+            offsets.append(local_hit // facts.block_size if full else None)
+        self._pending.recv[request.request_id] = RecvTask(
+            request.request_id, remote, ids, num_external_tokens, offsets)
+        self._waiting_recv[request.request_id] = remote
+
+    # -------------------------------------------------------------------- both sides
+    def build_payload(self) -> FlagCXMetadataPayload:
+        payload, self._pending = self._pending, FlagCXMetadataPayload()
+        return payload
+
+    def on_preemptions(self, req_ids: set[str]) -> None:
+        self._pending.preempted_req_ids |= req_ids
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        waiting = self._waiting_recv.pop(request.request_id, None)
+        self._local_hit.pop(request.request_id, None)
+        if params.get("do_remote_prefill") or waiting is not None:
+            # Decode request ended before (or while) its KV arrived: tell prefill.
+            remote = waiting or self._remote(request)
+            if remote is not None:
+                self._pending.release[remote.transfer_id] = remote
+            return False, None
+        if not params.get("do_remote_decode") or not self._finished_by_length(request):
+            return False, None
+        ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]
+        transfer_id = str(params.get("transfer_id") or request.request_id)
+        out = remote_prefill_params(
+            transfer_id=transfer_id, host=self.settings.side_channel_host,
+            port=self.settings.side_channel_port, tp_size=self.settings.tp_size,
+            engine_id=self.settings.engine_id,
+            block_sizes=tuple(g.block_size for g in self.groups))
+        if not any(ids):
+            return False, out
+        task = SendTask(request.request_id, transfer_id, ids,
+                        time.monotonic() + self.settings.lease_seconds)
+        self._armed[request.request_id] = task
+        self._pending.send[request.request_id] = task
+        return True, out
+
+    @staticmethod
+    def _finished_by_length(request: Any) -> bool:
+        status = getattr(request, "status", None)
+        return getattr(status, "name", "") == "FINISHED_LENGTH_CAPPED"
+
+    def update_connector_output(self, finished_sending: set[str] | None,
+                                finished_recving: set[str] | None) -> None:
+        for req_id in finished_sending or ():
+            self._armed.pop(req_id, None)
+        for req_id in finished_recving or ():
+            self._waiting_recv.pop(req_id, None)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._armed)

@@ -1,0 +1,408 @@
+"""Worker half of FlagCXConnector: side channel, pulls, writes, failures.
+
+Protocol (P pushes, D initiates; the cross-engine key is the router-minted transfer id):
+
+1. D learns P's fact sheet from P rank 0 (``HandshakeRequest``): TP size, layout facts.
+   Incompatible peers are rejected with the differing field named.
+2. Each D rank sends a ``PullRequest`` (its sheet, its block ids) to every P rank that holds
+   part of its bytes (``plans.senders_of``).
+3. A P rank parks the pull until its scheduler armed the send, plans, writes through the
+   transport, and answers ``PullReply`` per request. When every expected D rank pulled, P
+   reports the request in ``finished_sending`` so vLLM frees its blocks.
+4. A send never pulled expires after the lease; a pull not answered in time fails on D.
+   Every failure goes to the ``FailureLedger`` and ends the request (its blocks reported in
+   ``get_block_ids_with_load_errors``), so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector import plans
+from vllm_flagcx.connector.regions import Region, Section, unique_storages
+from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload, RecvTask, SendTask
+from vllm_flagcx.transport.base import Transport
+
+logger = logging.getLogger("vllm_flagcx")
+
+STAGES = ("handshake", "registration", "send", "recv", "watchdog")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    layout: hs.LayoutFacts
+    bind_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # P: base port; rank r listens on base + r
+    handshake_timeout: float = 5.0
+    recv_timeout: float = 40.0  # longer than the prefill lease
+    lease_seconds: float = 30.0
+    skip_compat_hash: bool = False
+    incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
+
+
+def model_page_bytes(regions: list[Region], num_groups: int) -> tuple[int, ...]:
+    """Per group, the bytes of one layer's block summed over ALL ranks (padding excluded).
+
+    Per-rank page sizes differ whenever P and D use different TP sizes; this does not, so
+    it is what the compatibility hash compares.
+    """
+    out = []
+    for group in range(num_groups):
+        layer = next((r.layer for r in regions if r.group == group), None)
+        total = sum(s.global_units * s.unit_bytes * s.repeats
+                    for r in regions if r.group == group and r.layer == layer
+                    for s in r.sections)
+        out.append(total)
+    return tuple(out)
+
+
+class FailureLedger:
+    """Failed requests with their blocks, by stage; drained once per engine step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failed: dict[str, tuple[str, str, list[int]]] = {}
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def record(self, stage: str, request_id: str, block_ids: list[int], error: str) -> None:
+        assert stage in STAGES, stage
+        with self._lock:
+            if request_id in self._failed:
+                return  # the first failure is the one reported
+            self._failed[request_id] = (stage, error, list(block_ids))
+            self.counts[stage] += 1
+        logger.warning("FlagCX %s failure for request %s: %s", stage, request_id, error)
+
+    def drain(self) -> tuple[set[str], set[int]]:
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return set(failed), {b for _, _, ids in failed.values() for b in ids}
+
+
+def _to_info(region: Region) -> hs.RegionInfo:
+    return hs.RegionInfo(region.name, region.layer, region.group, region.kind, region.base,
+                         region.block_stride, region.num_blocks, region.block_bytes,
+                         tuple(_section_info(s) for s in region.sections))
+
+
+def _section_info(s: Section) -> hs.SectionInfo:
+    return hs.SectionInfo(s.name, s.offset, s.units, s.unit_bytes, s.global_units, s.repeats,
+                          s.repeat_stride, s.replicated)
+
+
+def _from_info(info: hs.RegionInfo) -> Region:
+    return Region(info.name, info.layer, info.group, info.kind, info.base, info.block_stride,
+                  info.num_blocks, info.block_bytes,
+                  tuple(Section(*msgspec.structs.astuple(s)) for s in info.sections))
+
+
+@dataclass
+class _Armed:
+    task: SendTask
+    expected: set[int] | None = None  # receiver ranks, known at the first pull
+    pulled: set[int] = field(default_factory=set)
+
+
+class WorkerHalf:
+    """One per worker process (TP rank). Thread-safe between the runner and its threads."""
+
+    def __init__(self, settings: WorkerSettings, transport: Transport) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.ledger = FailureLedger()
+        self.regions: list[Region] = []
+        self.sheet: hs.FactSheet | None = None
+        self._lock = threading.Lock()
+        self._armed: dict[str, _Armed] = {}  # transfer_id -> held send
+        self._parked: list[tuple[bytes, hs.PullRequest, float]] = []
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._peer_sheets: dict[tuple[str, int], hs.FactSheet] = {}
+        self._connections: dict[str, object] = {}
+        self._stop = threading.Event()
+        self._server: threading.Thread | None = None
+        self._pull_threads: list[threading.Thread] = []
+        self.stats: dict[str, float] = defaultdict(float)
+        self._pending_invalid: set[int] = set()
+        self._zmq = None
+
+    # ---------------------------------------------------------------- registration
+    def register_regions(self, regions: list[Region], serve: bool) -> None:
+        spans = unique_storages([(r.base, r.end - r.base) for r in regions])
+        for address, size in spans:
+            self.transport.register(address, size)
+        self.regions = list(regions)
+        s = self.settings
+        self.sheet = hs.make_sheet(layout=s.layout, engine_id=s.engine_id,
+                                   incarnation=s.incarnation, tp_size=s.tp_size,
+                                   tp_rank=s.tp_rank, transport=self.transport.name,
+                                   transport_desc=self.transport.describe(),
+                                   regions=tuple(_to_info(r) for r in regions))
+        self.stats["registered_storages"] = len(spans)
+        if serve:
+            self._start_server()
+
+    # ---------------------------------------------------------------- per step
+    def start_step(self, payload: FlagCXMetadataPayload) -> None:
+        with self._lock:
+            for task in payload.send.values():
+                self._armed[task.transfer_id] = _Armed(task)
+        for task in payload.recv.values():
+            self._spawn(self._pull, task)
+        for transfer_id, remote in payload.release.items():
+            self._spawn(self._release, transfer_id, remote)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving); failed receives are finished too, with
+        their blocks held for ``get_block_ids_with_load_errors`` of the same step."""
+        self._expire_leases()
+        failed, blocks = self.ledger.drain()
+        with self._lock:
+            self._pending_invalid |= blocks
+            sending, self._done_sending = self._done_sending, set()
+            recving, self._done_recving = self._done_recving, set()
+        return sending, recving | failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            invalid, self._pending_invalid = self._pending_invalid, set()
+        return invalid
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        thread = threading.Thread(target=fn, args=args, daemon=True, name="flagcx-pull")
+        thread.start()
+        self._pull_threads = [t for t in self._pull_threads if t.is_alive()] + [thread]
+
+    # ---------------------------------------------------------------- decode side
+    def _socket(self, host: str, port: int, timeout: float) -> Any:
+        import zmq
+
+        if self._zmq is None:
+            self._zmq = zmq.Context()
+        sock = self._zmq.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        sock.connect(f"tcp://{host}:{port}")
+        return sock
+
+    def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
+        import zmq
+
+        sock = self._socket(host, port, timeout)
+        try:
+            sock.send(hs.encode(message))
+            return hs.decode(sock.recv())
+        except zmq.error.Again as exc:
+            raise TimeoutError(f"no answer from {host}:{port} within {timeout:.1f} s") from exc
+        finally:
+            sock.close()
+
+    def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
+        key = (host, port)
+        if key not in self._peer_sheets:
+            reply = self._ask(host, port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0),
+                              self.settings.handshake_timeout)
+            if isinstance(reply, hs.HandshakeRefused):
+                raise hs.HandshakeError(f"prefill at {host}:{port} refused: {reply.reason}")
+            if not isinstance(reply, hs.HandshakeReply):
+                raise hs.HandshakeError(f"unexpected handshake answer {type(reply).__name__}")
+            self._peer_sheets[key] = reply.sheet
+        return self._peer_sheets[key]
+
+    def _pull(self, task: RecvTask) -> None:
+        flat = [b for g in task.block_ids for b in g]
+        remote = task.remote
+        started = time.monotonic()
+        try:
+            p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            hs.check_compatible(self.sheet, p_sheet, skip_hash=self.settings.skip_compat_hash)
+        except (hs.HandshakeError, TimeoutError, OSError) as exc:
+            self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
+            self.ledger.record("handshake", task.request_id, flat, str(exc))
+            return
+        senders = plans.senders_of(self.settings.tp_rank, self.settings.tp_size,
+                                   p_sheet.tp_size, self.regions)
+        request = hs.PullRequest(remote.transfer_id, self.sheet,
+                                 tuple(tuple(g) for g in task.block_ids),
+                                 tuple(task.offsets))
+        total = 0
+        for p_rank in senders:
+            try:
+                reply = self._ask(remote.remote_host, remote.remote_port + p_rank, request,
+                                  self.settings.recv_timeout)
+            except (TimeoutError, OSError, hs.HandshakeError) as exc:
+                self.ledger.record("recv", task.request_id, flat, f"P rank {p_rank}: {exc}")
+                return
+            if not isinstance(reply, hs.PullReply) or not reply.ok:
+                error = getattr(reply, "error", type(reply).__name__)
+                self.ledger.record("recv", task.request_id, flat, f"P rank {p_rank}: {error}")
+                return
+            total += reply.num_bytes
+        with self._lock:
+            self._done_recving.add(task.request_id)
+            self.stats["recv_bytes"] += total
+            self.stats["recv_seconds"] += time.monotonic() - started
+            self.stats["recv_requests"] += 1
+
+    def _release(self, transfer_id: str, remote: Any) -> None:
+        try:
+            p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            for p_rank in range(p_sheet.tp_size):
+                self._ask(remote.remote_host, remote.remote_port + p_rank,
+                          hs.Release(transfer_id), self.settings.handshake_timeout)
+        except (hs.HandshakeError, TimeoutError, OSError) as exc:
+            # Prefill frees the blocks at lease expiry anyway.
+            logger.info("release of %s not delivered (%s); prefill lease frees it",
+                        transfer_id, exc)
+
+    # ---------------------------------------------------------------- prefill side
+    def _start_server(self) -> None:
+        import zmq
+
+        self._zmq = self._zmq or zmq.Context()
+        sock = self._zmq.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = self.settings.side_channel_port + self.settings.tp_rank
+        sock.bind(f"tcp://{self.settings.bind_host}:{port}")
+        self._server = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                        name=f"flagcx-side-channel-{port}")
+        self._server.start()
+
+    def _serve(self, sock: Any) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if dict(poller.poll(20)).get(sock):
+                    ident, _, data = sock.recv_multipart()
+                    reply = self._handle(ident, data)
+                    if reply is not None:
+                        sock.send_multipart([ident, b"", hs.encode(reply)])
+                for ident, reply in self._serve_parked():
+                    sock.send_multipart([ident, b"", hs.encode(reply)])
+        finally:
+            sock.close()
+
+    def _handle(self, ident: bytes, data: bytes) -> hs.Message | None:
+        try:
+            message = hs.decode(data)
+        except hs.HandshakeError as exc:
+            return hs.HandshakeRefused(str(exc))
+        if isinstance(message, hs.HandshakeRequest):
+            if message.protocol_version != hs.PROTOCOL_VERSION:
+                return hs.HandshakeRefused(
+                    f"protocol_version: local {hs.PROTOCOL_VERSION}, remote "
+                    f"{message.protocol_version}")
+            return hs.HandshakeReply(self.sheet)
+        if isinstance(message, hs.Release):
+            with self._lock:
+                armed = self._armed.pop(message.transfer_id, None)
+                if armed is not None:
+                    self._done_sending.add(armed.task.request_id)
+            return hs.Ack(message.transfer_id)
+        if isinstance(message, hs.PullRequest):
+            with self._lock:
+                self._parked.append((ident, message,
+                                     time.monotonic() + self.settings.lease_seconds))
+            return None
+        return hs.HandshakeRefused(f"unexpected message {type(message).__name__}")
+
+    def _serve_parked(self) -> list[tuple[bytes, hs.Message]]:
+        now = time.monotonic()
+        out, keep = [], []
+        with self._lock:
+            parked, self._parked = self._parked, []
+        for ident, pull, deadline in parked:
+            with self._lock:
+                armed = self._armed.get(pull.transfer_id)
+            if armed is None:
+                if now > deadline:
+                    out.append((ident, hs.PullReply(pull.transfer_id, False,
+                                                    "unknown or expired transfer id")))
+                else:
+                    keep.append((ident, pull, deadline))
+                continue
+            out.append((ident, self._write(armed, pull)))
+        with self._lock:
+            self._parked = keep + self._parked
+        return out
+
+    def _write(self, armed: _Armed, pull: hs.PullRequest) -> hs.PullReply:
+        started = time.monotonic()
+        try:
+            hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
+            remote_regions = [_from_info(r) for r in pull.sheet.regions]
+            pair = plans.RankPair(self.settings.tp_rank, self.settings.tp_size,
+                                  pull.sheet.tp_rank, pull.sheet.tp_size)
+            plan = plans.plan_transfer(self.regions, remote_regions, armed.task.block_ids,
+                                       [list(g) for g in pull.block_ids], pair,
+                                       receiver_offsets=list(pull.offsets) or None)
+            handle = self._connection(pull.sheet)
+            result = self.transport.write(handle, plan.src, plan.dst, plan.length)
+        except (hs.HandshakeError, plans.PlanError, OSError, RuntimeError) as exc:
+            self._connections.pop(pull.sheet.incarnation, None)
+            self._finish_pull(armed, pull, failed=True)
+            return hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
+        if not result.ok:
+            self._connections.pop(pull.sheet.incarnation, None)
+            self._finish_pull(armed, pull, failed=True)
+            return hs.PullReply(pull.transfer_id, False, result.error)
+        with self._lock:
+            self.stats["send_bytes"] += plan.num_bytes
+            self.stats["send_descriptors"] += plan.num_descriptors
+            self.stats["send_seconds"] += time.monotonic() - started
+        self._finish_pull(armed, pull, failed=False)
+        return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors)
+
+    def _connection(self, sheet: hs.FactSheet) -> object:
+        handle = self._connections.get(sheet.incarnation)
+        if handle is None:
+            handle = self.transport.connect(sheet.transport_desc)
+            self._connections[sheet.incarnation] = handle
+        return handle
+
+    def _finish_pull(self, armed: _Armed, pull: hs.PullRequest, failed: bool) -> None:
+        with self._lock:
+            if armed.expected is None:
+                armed.expected = set(plans.receivers_of(
+                    self.settings.tp_rank, self.settings.tp_size, pull.sheet.tp_size,
+                    self.regions))
+            armed.pulled.add(pull.sheet.tp_rank)
+            if failed:
+                self.stats["send_failures"] += 1
+            if armed.pulled >= armed.expected and self._armed.pop(pull.transfer_id, None):
+                self._done_sending.add(armed.task.request_id)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [tid for tid, a in self._armed.items() if a.task.deadline < now]
+            for tid in expired:
+                self._done_sending.add(self._armed.pop(tid).task.request_id)
+                self.stats["expired_leases"] += 1
+
+    # ---------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.join(timeout=2)
+        for thread in self._pull_threads:
+            thread.join(timeout=0.5)
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+        self.transport.close()

@@ -1,0 +1,54 @@
+"""The data path behind one small interface, so connector logic is written once.
+
+register memory once per unique storage, describe it (bytes advertised in the handshake),
+connect to a peer's description (cached by the caller, invalidated on error), write a
+batch by address (numpy arrays, never Python lists on the hot path) with a result that can
+fail, close.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class TransportError(RuntimeError):
+    """A transport operation failed; the message names the operation and the peer."""
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    ok: bool
+    error: str = ""
+    num_bytes: int = 0
+
+
+class Transport(abc.ABC):
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def register(self, address: int, size: int) -> None:
+        """Make [address, address+size) reachable by peers (once per unique storage)."""
+
+    @abc.abstractmethod
+    def describe(self) -> bytes:
+        """What a peer needs to connect to this endpoint (sent in the handshake)."""
+
+    @abc.abstractmethod
+    def connect(self, peer: bytes) -> object:
+        """A handle for writing into the peer described by ``peer``."""
+
+    @abc.abstractmethod
+    def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
+              length: np.ndarray) -> WriteResult:
+        """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``."""
+
+    def disconnect(self, handle: object) -> None:
+        """Forget a cached connection (after an error, or when a peer restarted)."""
+        return None
+
+    def close(self) -> None:
+        """Release everything registered and connected."""
+        return None
