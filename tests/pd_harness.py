@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 import vllm_harness as harness
 from transport_standin import Faults, MemmoveTransport
+
 from vllm_flagcx.compat import kv_cache, kv_layout
 from vllm_flagcx.compat.connector_api import make_connector_output
 from vllm_flagcx.connector import handshake as hs

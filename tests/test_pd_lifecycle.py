@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pd_harness as pd
 import pytest
 import torch
-
-import pd_harness as pd
 import vllm_harness as harness
+
 from vllm_flagcx.compat.topology import head_range
 
 _ports = itertools.count(26100, 10)
