@@ -21,8 +21,9 @@ import vllm_harness as harness
 from transport_standin import Faults, MemmoveTransport
 
 from vllm_flagcx.compat import kv_cache, kv_layout
-from vllm_flagcx.compat.connector_api import make_connector_output
+from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
 from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
 from vllm_flagcx.connector.regions import ConvSplit
 from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
 
@@ -96,6 +97,7 @@ class Instance:
     recv_tasks: dict[str, Any] = field(default_factory=dict)
     send_tasks: dict[str, Any] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)
 
     def step(self) -> None:
         out = self.scheduler.schedule()
@@ -111,6 +113,7 @@ class Instance:
             s, r = worker.get_finished()
             sending.update(s)
             recving.update(r)
+            self.failed |= worker.failed_last_step
             invalid |= worker.get_block_ids_with_load_errors()
         self.finished.update({f"s:{k}": v for k, v in sending.items()})
         self.finished.update({f"r:{k}": v for k, v in recving.items()})
@@ -118,9 +121,13 @@ class Instance:
         done_r = {k[2:] for k, v in self.finished.items() if k[0] == "r" and v == self.tp}
         for key in [f"s:{k}" for k in done_s] + [f"r:{k}" for k in done_r]:
             del self.finished[key]
-        kv_out = make_connector_output(finished_sending=done_s or None,
-                                       finished_recving=done_r or None,
-                                       invalid_block_ids=invalid)
+        failed_now = self.failed & done_r
+        self.failed -= failed_now
+        kv_out = make_connector_output(
+            finished_sending=done_s or None, finished_recving=done_r or None,
+            **load_failure_fields(failed=failed_now, invalid_blocks=invalid,
+                                  num_groups=len(self.ranks[0].config.kv_cache_groups),
+                                  worker_meta=FlagCXWorkerMetadata(failed_now)))
         self.outputs.append(self.scheduler.update_from_output(
             out, harness.model_output(out, kv_connector_output=kv_out)))
 
@@ -173,9 +180,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
     return Instance(scheduler, workers, ranks, tp)
 
 
-def run_pd(p: Instance, d: Instance, prompts: list[int], max_tokens: int = 3,
-           timeout: float = 60.0) -> dict[str, Any]:
-    """Prefill then decode each prompt as the router would; returns per-prompt records."""
+def run_prefill(p: Instance, prompts: list[int], timeout: float = 30.0) -> dict[str, Any]:
+    """Prefill each prompt as the router does (max_tokens=1, a minted transfer id)."""
     records = {}
     for i, n in enumerate(prompts):
         tid = f"xfer-{i}-{time.monotonic_ns()}"
@@ -196,16 +202,40 @@ def run_pd(p: Instance, d: Instance, prompts: list[int], max_tokens: int = 3,
                     params[o.kv_transfer_params["transfer_id"]] = o.kv_transfer_params
     for tid, rec in records.items():
         rec["params"] = params.get(tid)
+    return records
+
+
+def run_decode(p: Instance, d: Instance, records: dict[str, Any], max_tokens: int = 3,
+               timeout: float = 60.0, remote_port_shift: int = 0) -> None:
+    """Send each prefilled request to decode with the params prefill returned; step both
+    engines until neither holds a request (bounded)."""
+    for rec in records.values():
+        params = dict(rec["params"] or {})
+        if params and remote_port_shift:
+            params["remote_port"] += remote_port_shift
         req = harness.make_request(rec["tokens"], max_tokens=max_tokens,
-                                   kv_transfer_params=dict(rec["params"] or {}))
+                                   kv_transfer_params=params)
         d.scheduler.add_request(req)
         rec["d_req"] = req.request_id
-    while (d.scheduler.has_requests() or p.scheduler.has_requests()
-           or p.workers[0]._armed) and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout
+    while (d.scheduler.has_requests() or p.scheduler.has_requests()) and \
+            time.monotonic() < deadline:
         p.step()
         d.step()
         time.sleep(0.002)
+
+
+def run_pd(p: Instance, d: Instance, prompts: list[int], max_tokens: int = 3,
+           remote_port_shift: int = 0) -> dict[str, Any]:
+    records = run_prefill(p, prompts)
+    run_decode(p, d, records, max_tokens, remote_port_shift=remote_port_shift)
     return records
+
+
+def aborted() -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
 
 
 def finished_ids(instance: Instance) -> dict[str, str]:

@@ -63,3 +63,19 @@ def test_entry_point_is_declared():
     eps = [ep for ep in entry_points(group="vllm.general_plugins")
            if ep.value == "vllm_flagcx.compat.plugin:register"]
     assert len(eps) == 1
+
+
+def test_hybrid_decode_role_refused_where_vllm_cannot_finish_it(matrix_build):
+    from vllm_flagcx.compat.blocks import HybridRemoteLoadUnsupported
+
+    config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True,
+                                      kv_role="kv_consumer")
+    if matrix_build.profile["hybrid_async_load"] == "single_group":
+        with pytest.raises(HybridRemoteLoadUnsupported, match="vLLM >= 0.20"):
+            harness.make_scheduler(config, harness.hybrid_kv_cache_config())
+    else:
+        scheduler = harness.make_scheduler(config, harness.hybrid_kv_cache_config())
+        assert type(scheduler.connector) is FlagCXConnector
+    producer = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True,
+                                        kv_role="kv_producer")
+    harness.make_scheduler(producer, harness.hybrid_kv_cache_config())  # prefill: fine

@@ -93,3 +93,19 @@ def require_hma_for_mamba(vllm_config: Any, kv_cache_config: Any) -> None:
             "--no-disable-hybrid-kv-cache-manager to vllm serve (needed on vLLM 0.13-0.20 "
             "whenever a KV connector is set)."
         )
+
+
+class HybridRemoteLoadUnsupported(ValueError):
+    """This vLLM's scheduler cannot finish remote loads of multi-group requests."""
+
+
+def require_hybrid_async_load(is_consumer: bool, kv_cache_config: Any) -> None:
+    """Refuse a decode (consumer) role for a hybrid model where vLLM would crash later."""
+    if not is_consumer or kv_cache_config is None or len(kv_cache_config.kv_cache_groups) < 2:
+        return
+    if FEATURES_BY_KEY["hybrid_async_load"].probe() == "single_group":
+        raise HybridRemoteLoadUnsupported(
+            "FlagCXConnector: this vLLM build's scheduler completes remote KV loads for ONE "
+            f"KV cache group only, and this model has {len(kv_cache_config.kv_cache_groups)}"
+            " (hybrid attention/Mamba). Run the decode (kv_consumer) instance on vLLM >= "
+            "0.20; a prefill (kv_producer) instance on this build works.")

@@ -93,3 +93,31 @@ def make_connector_output(**fields: Any) -> Any:
     cls = resolve("KVConnectorOutput")
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in fields.items() if k in names})
+
+
+def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], num_groups: int,
+                        worker_meta: Any) -> dict[str, Any]:
+    """KVConnectorOutput fields that report failed receives in a way vLLM can act on.
+
+    One KV cache group: block ids (vLLM's ``kv_load_failure_policy`` applies). Several
+    groups: block ids cannot be mapped back (vLLM unpacks one group, 0.34 raises), so the
+    failure goes per request: ``failed_recving`` (0.34) or our worker metadata (0.18+).
+    """
+    from vllm_flagcx.compat.probe import FEATURES_BY_KEY
+
+    if num_groups <= 1:
+        return {"invalid_block_ids": set(invalid_blocks)}
+    mode = FEATURES_BY_KEY["hybrid_load_failure_report"].probe()
+    if mode == "failed_recving":
+        return {"failed_recving": set(failed)}
+    if mode == "worker_meta" and failed:
+        return {"kv_connector_worker_meta": worker_meta}
+    return {}
+
+
+def transfer_results(finished_sending: set[str], finished_recving: set[str],
+                     failed_recving: set[str]) -> Any:
+    """A ``KVConnectorTransferResults`` (0.34), with failed receives reported per request."""
+    cls = KVConnectorTransferResults
+    return cls(finished_sending=set(finished_sending), finished_recving=set(finished_recving),
+               failed_recving=set(failed_recving))

@@ -199,6 +199,34 @@ def _legacy_kv_fields() -> str:
     return "accepted" if "kv_ip" in fields else "forbidden"
 
 
+def _hybrid_async_load() -> str:
+    # 0.13's scheduler unpacks ONE group when an async load completes
+    # ("(block_ids,) = ...get_block_ids"), so hybrid (multi-group) remote loads crash there.
+    # Read from the installed scheduler's source: no other trace of this behaviour exists.
+    method = getattr(resolve("Scheduler"), "_update_waiting_for_remote_kv", None)
+    if method is None:
+        return ABSENT
+    try:
+        source = inspect.getsource(method)
+    except (OSError, TypeError):
+        return "multi_group"
+    return "single_group" if "(block_ids,) =" in source else "multi_group"
+
+
+def _load_failure_report() -> str:
+    """How a failed receive of a multi-group (HMA) request can reach the scheduler.
+
+    Block-level ``invalid_block_ids`` only map to requests with ONE KV cache group on every
+    build (0.13-0.22 unpack one group, 0.34 raises), so hybrids need a request-level path.
+    """
+    output_fields = _field_names(resolve("KVConnectorOutput"))
+    if "failed_recving" in output_fields:
+        return "failed_recving"
+    if "kv_connector_worker_meta" in output_fields:
+        return "worker_meta"
+    return ABSENT
+
+
 def _handshake_pp_aware() -> str:
     base = resolve("KVConnectorBase_V1")
     return "native" if hasattr(base, "set_xfer_handshake_metadata_pp_aware") else ABSENT
@@ -242,6 +270,11 @@ FEATURES: tuple[FeatureProbe, ...] = (
                  "the Mamba conv state layouts the build can produce"),
     FeatureProbe("truncate_block_hashes", "mamba", _truncate_block_hashes, False,
                  "Request.truncate_block_hashes (0.34; needed for the N-1 rule there)"),
+    FeatureProbe("hybrid_async_load", "blocks", _hybrid_async_load, True,
+                 "a scheduler that completes async KV loads of multi-group (hybrid) requests"),
+    FeatureProbe("hybrid_load_failure_report", "blocks", _load_failure_report, False,
+                 "KVConnectorOutput.failed_recving (0.34) or kv_connector_worker_meta (0.18+)"
+                 " to fail one hybrid request"),
     FeatureProbe("resumed_requests", "blocks", _resumed_requests, True,
                  "CachedRequestData.resumed_req_ids or resumed requests in scheduled_new_reqs"),
     FeatureProbe("dp_index_field", "config", _dp_index_field, True,

@@ -15,11 +15,18 @@ from typing import Any
 
 from vllm_flagcx.compat import config as compat_config
 from vllm_flagcx.compat import kv_cache as compat_kv
-from vllm_flagcx.compat.blocks import hma_state, require_hma_for_mamba
+from vllm_flagcx.compat.blocks import (
+    hma_state,
+    require_hma_for_mamba,
+    require_hybrid_async_load,
+)
 from vllm_flagcx.compat.connector_api import (
     KVConnectorMetadata,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     PortableConnectorBase,
     role_is_scheduler,
+    transfer_results,
 )
 from vllm_flagcx.connector.scheduler import (
     FlagCXMetadataPayload,
@@ -48,6 +55,16 @@ class FlagCXConnectorMetadata(KVConnectorMetadata):
         self.payload.preempted_req_ids = set(value)
 
 
+class FlagCXWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: requests whose receive failed this step (hybrid models)."""
+
+    def __init__(self, failed_recving: set[str] | None = None) -> None:
+        self.failed_recving = set(failed_recving or ())
+
+    def aggregate(self, other: FlagCXWorkerMetadata) -> FlagCXWorkerMetadata:
+        return FlagCXWorkerMetadata(self.failed_recving | other.failed_recving)
+
+
 def load_factory(path: str) -> Any:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
@@ -66,6 +83,8 @@ class FlagCXConnector(PortableConnectorBase):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         require_hma_for_mamba(vllm_config, kv_cache_config)
+        require_hybrid_async_load(bool(vllm_config.kv_transfer_config.is_kv_consumer),
+                                  kv_cache_config)
         self.is_scheduler = role_is_scheduler(role)
         ktc = vllm_config.kv_transfer_config
         self._extra = lambda key, default=None: compat_config.extra_config(ktc, key, default)
@@ -104,9 +123,11 @@ class FlagCXConnector(PortableConnectorBase):
         return self.scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self.scheduler.update_connector_output(
             getattr(connector_output, "finished_sending", None),
-            getattr(connector_output, "finished_recving", None))
+            getattr(connector_output, "finished_recving", None),
+            meta.failed_recving if isinstance(meta, FlagCXWorkerMetadata) else None)
 
     def on_preemptions(self, req_ids: set[str]) -> None:
         if self.scheduler is not None:
@@ -185,8 +206,28 @@ class FlagCXConnector(PortableConnectorBase):
         sending, recving = self.worker.get_finished()
         return sending or None, recving or None
 
+    def _num_groups(self) -> int:
+        return len(self.kv_cache_config.kv_cache_groups) if self.kv_cache_config else 1
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors() if self.worker else set()
+        """Failed blocks, for single-group models (vLLM maps them back to requests only
+        there); hybrids report failed requests instead (worker meta / failed_recving)."""
+        if self.worker is None:
+            return set()
+        blocks = self.worker.get_block_ids_with_load_errors()
+        return blocks if self._num_groups() == 1 else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        if self.worker is None or self._num_groups() == 1 or not self.worker.failed_last_step:
+            return None
+        return FlagCXWorkerMetadata(self.worker.failed_last_step)
+
+    if KVConnectorTransferResults is not None:
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            sending, recving = self.get_finished(finished_req_ids)
+            failed = (self.worker.failed_last_step
+                      if self.worker is not None and self._num_groups() > 1 else set())
+            return transfer_results(sending or set(), recving or set(), failed)
 
     def shutdown(self) -> None:
         if self.worker is not None:

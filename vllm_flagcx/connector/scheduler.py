@@ -94,6 +94,8 @@ class SchedulerHalf:
         self._armed: dict[str, SendTask] = {}  # request_id -> held send
         self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
         self._local_hit: dict[str, int] = {}  # request_id -> tokens D had locally
+        self._recv_requests: dict[str, Any] = {}  # request_id -> Request while loading
+        self.recomputed_after_failure = 0
         self.rejected_params = 0
 
     # -------------------------------------------------------------------- decode side
@@ -146,6 +148,7 @@ class SchedulerHalf:
         self._pending.recv[request.request_id] = RecvTask(
             request.request_id, remote, ids, num_external_tokens, offsets)
         self._waiting_recv[request.request_id] = remote
+        self._recv_requests[request.request_id] = request
 
     # -------------------------------------------------------------------- both sides
     def build_payload(self) -> FlagCXMetadataPayload:
@@ -160,6 +163,7 @@ class SchedulerHalf:
         params = request.kv_transfer_params or {}
         waiting = self._waiting_recv.pop(request.request_id, None)
         self._local_hit.pop(request.request_id, None)
+        self._recv_requests.pop(request.request_id, None)
         if params.get("do_remote_prefill") or waiting is not None:
             # Decode request ended before (or while) its KV arrived: tell prefill.
             remote = waiting or self._remote(request)
@@ -189,11 +193,24 @@ class SchedulerHalf:
         return getattr(status, "name", "") == "FINISHED_LENGTH_CAPPED"
 
     def update_connector_output(self, finished_sending: set[str] | None,
-                                finished_recving: set[str] | None) -> None:
-        for req_id in finished_sending or ():
-            self._armed.pop(req_id, None)
+                                finished_recving: set[str] | None,
+                                failed_recving: set[str] | None = None) -> None:
+        """Finished transfers; ``failed_recving`` are receives our workers reported failed
+        through worker metadata (builds where vLLM has no request-level failure path).
+
+        Those requests recompute from scratch: their num_computed_tokens goes back to 0
+        before vLLM's next step promotes them, exactly what 0.34's recompute path does.
+        """
+        for req_id in failed_recving or ():
+            request = self._recv_requests.get(req_id)
+            if request is not None:
+                request.num_computed_tokens = 0
+                self.recomputed_after_failure += 1
         for req_id in finished_recving or ():
             self._waiting_recv.pop(req_id, None)
+            self._recv_requests.pop(req_id, None)
+        for req_id in finished_sending or ():
+            self._armed.pop(req_id, None)
 
     @property
     def num_held(self) -> int:

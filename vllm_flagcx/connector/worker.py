@@ -135,6 +135,7 @@ class WorkerHalf:
         self._pull_threads: list[threading.Thread] = []
         self.stats: dict[str, float] = defaultdict(float)
         self._pending_invalid: set[int] = set()
+        self.failed_last_step: set[str] = set()
         self._zmq = None
 
     # ---------------------------------------------------------------- registration
@@ -170,6 +171,7 @@ class WorkerHalf:
         failed, blocks = self.ledger.drain()
         with self._lock:
             self._pending_invalid |= blocks
+            self.failed_last_step = failed
             sending, self._done_sending = self._done_sending, set()
             recving, self._done_recving = self._done_recving, set()
         return sending, recving | failed
