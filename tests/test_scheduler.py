@@ -71,7 +71,7 @@ def test_hybrid_decode_role_refused_where_vllm_cannot_finish_it(matrix_build):
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True,
                                       kv_role="kv_consumer")
     if matrix_build.profile["hybrid_async_load"] == "single_group":
-        with pytest.raises(HybridRemoteLoadUnsupported, match="vLLM >= 0.20"):
+        with pytest.raises(HybridRemoteLoadUnsupported, match=r"vLLM >= 0\.20"):
             harness.make_scheduler(config, harness.hybrid_kv_cache_config())
     else:
         scheduler = harness.make_scheduler(config, harness.hybrid_kv_cache_config())
