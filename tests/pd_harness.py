@@ -16,12 +16,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import vllm_harness as harness
 from transport_standin import Faults, MemmoveTransport
 
 from vllm_flagcx.compat import kv_cache, kv_layout
 from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
+from vllm_flagcx.compat.topology import head_range
 from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
 from vllm_flagcx.connector.regions import ConvSplit
@@ -58,6 +60,20 @@ def rank_kv_cache_config(tp: int, num_blocks: int, repeats: int = 2) -> Any:
     return kv_cache.make_kv_cache_config(num_blocks=num_blocks, groups=groups, tensors=tensors)
 
 
+DENSE_HEAD_DIM = 64
+
+
+def dense_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2,
+                               dtype: Any = torch.bfloat16) -> Any:
+    heads = max(1, KV_HEADS // tp)
+    spec = kv_cache.make_full_attention_spec(block_size=BLOCK, num_kv_heads=heads,
+                                             head_size=DENSE_HEAD_DIM, dtype=dtype)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    return kv_cache.make_kv_cache_config(
+        num_blocks=num_blocks, groups=[(names, spec)],
+        tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
+
+
 def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
     """Random-filled caches viewed as vLLM does (one int8 buffer per KVCacheTensor)."""
     gen = torch.Generator().manual_seed(seed)
@@ -80,7 +96,11 @@ def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
                                        (page // 4, ssm_shape[1] * ssm_shape[2], ssm_shape[2],
                                         1), storage_offset=conv_bytes // 4)
                 caches[name] = [conv, ssm]
-            else:
+            elif len(config.kv_cache_groups) == 1:  # layer-first (FlashAttention), HND
+                h, dim = spec.num_kv_heads, spec.head_size
+                phys = raw.view(spec.dtype).view(2, nb, h, BLOCK, dim)
+                caches[name] = phys.permute(0, 1, 3, 2, 4)  # logical (2, B, N, H, D)
+            else:  # hybrid: attention restrided blocks-first so pages line up with GDN
                 h = spec.num_kv_heads
                 phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
                 caches[name] = phys.permute(1, 0, 3, 2, 4)  # logical (2, B, N, H, D)
@@ -138,22 +158,26 @@ class Instance:
 
 def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    num_blocks: int = 48, faults: Faults | None = None, seed: int = 0,
-                   lease_seconds: float = 30.0, recv_timeout: float = 10.0) -> Instance:
-    config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True, kv_role=role,
+                   lease_seconds: float = 30.0, recv_timeout: float = 10.0,
+                   model: str = "hybrid", dtype: Any = torch.bfloat16) -> Instance:
+    hybrid = model == "hybrid"
+    config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
+                                      harness.DENSE_MODEL, hma=True, kv_role=role,
                                       extra_config={"side_channel_port": port,
                                                     "lease_seconds": lease_seconds})
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp
-    ranks = [allocate(rank_kv_cache_config(tp, num_blocks), conv_layout, seed * 100 + r)
+    make_config = (rank_kv_cache_config if hybrid else
+                   lambda t, n: dense_rank_kv_cache_config(t, n, dtype=dtype))
+    ranks = [allocate(make_config(tp, num_blocks), conv_layout, seed * 100 + r)
              for r in range(tp)]
     if tp > KV_HEADS:  # replicated KV heads hold the same bytes on every rank that has them
-        from vllm_flagcx.compat.topology import head_range
-
         for rank in range(tp):
             first = next(r for r in range(tp)
                          if head_range(r, tp, KV_HEADS) == head_range(rank, tp, KV_HEADS))
-            for layer in harness.HybridLayout().attention_layers:
-                ranks[rank].caches[layer].copy_(ranks[first].caches[layer])
+            for group in ranks[rank].config.kv_cache_groups[:1]:
+                for layer in group.layer_names:
+                    ranks[rank].caches[layer].copy_(ranks[first].caches[layer])
     scheduler = harness.make_scheduler(config, ranks[0].config)
     split = ConvSplit((("q", KEY_DIM // tp, KEY_DIM), ("k", KEY_DIM // tp, KEY_DIM),
                        ("v", VALUE_DIM // tp, VALUE_DIM)))
@@ -163,7 +187,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                                   conv_layout, split)
         groups = kv_cache.group_facts(caches.config)
         layout = hs.LayoutFacts(
-            model="tiny-hybrid", dtype="bfloat16", kv_cache_dtype="auto",
+            model=model, dtype="bfloat16", kv_cache_dtype=str(dtype).removeprefix("torch."),
             group_kinds=tuple(g.kind.value for g in groups),
             block_sizes=tuple(g.block_size for g in groups),
             kernel_block_sizes=tuple(g.block_size for g in groups),
@@ -217,9 +241,17 @@ def run_decode(p: Instance, d: Instance, records: dict[str, Any], max_tokens: in
                                    kv_transfer_params=params)
         d.scheduler.add_request(req)
         rec["d_req"] = req.request_id
+    settle(p, d, timeout)
+
+
+def busy(inst: Instance) -> bool:
+    return inst.scheduler.has_requests() or harness.blocks_in_use(inst.scheduler) > 0
+
+
+def settle(p: Instance, d: Instance, timeout: float = 60.0) -> None:
+    """Step both engines until neither holds a request or a block (bounded)."""
     deadline = time.monotonic() + timeout
-    while (d.scheduler.has_requests() or p.scheduler.has_requests()) and \
-            time.monotonic() < deadline:
+    while (busy(p) or busy(d)) and time.monotonic() < deadline:
         p.step()
         d.step()
         time.sleep(0.002)
@@ -236,6 +268,17 @@ def aborted() -> Any:
     from vllm.v1.request import RequestStatus
 
     return RequestStatus.FINISHED_ABORTED
+
+
+def attention_block_bytes(inst: Instance, layer: str, block: int) -> Any:
+    """(2, H_global, N, D) bytes of one attention block, gathered over the ranks."""
+    parts = [None] * KV_HEADS
+    for rank, caches in enumerate(inst.ranks):
+        t = caches.caches[layer][:, block]  # (2, N, H_l, D)
+        lo, hi = head_range(rank, inst.tp, KV_HEADS)
+        for h in range(lo, hi):
+            parts[h] = t[:, :, h - lo].contiguous().view(torch.uint8).numpy()
+    return np.stack(parts, axis=1)
 
 
 def finished_ids(instance: Instance) -> dict[str, str]:

@@ -11,7 +11,9 @@ from vllm_flagcx.compat.blocks import HybridManagerRequired
 
 @pytest.fixture(scope="module")
 def hybrid_scheduler():
-    config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True)
+    # kv_producer: a hybrid decode role is refused on builds that cannot finish its loads.
+    config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True,
+                                      kv_role="kv_producer")
     return harness.make_scheduler(config, harness.hybrid_kv_cache_config())
 
 

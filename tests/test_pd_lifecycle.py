@@ -17,7 +17,6 @@ import torch
 import vllm_harness as harness
 
 from vllm_flagcx.compat.probe import FEATURES_BY_KEY
-from vllm_flagcx.compat.topology import head_range
 
 _ports = itertools.count(26100, 10)
 
@@ -25,17 +24,6 @@ pytestmark = pytest.mark.skipif(
     FEATURES_BY_KEY["hybrid_async_load"].probe() == "single_group",
     reason="this vLLM's scheduler cannot finish remote loads of hybrid requests; the "
            "connector refuses that role (tests/test_scheduler.py checks the refusal)")
-
-
-def _attn_global(inst, layer, block):
-    """(2, H_global, N, D) bytes of one attention block, gathered over the ranks."""
-    parts = [None] * pd.KV_HEADS
-    for rank, caches in enumerate(inst.ranks):
-        t = caches.caches[layer][:, block]  # (2, N, H_l, D)
-        lo, hi = head_range(rank, inst.tp, pd.KV_HEADS)
-        for h in range(lo, hi):
-            parts[h] = t[:, :, h - lo].contiguous().view(torch.uint8).numpy()
-    return np.stack(parts, axis=1)
 
 
 def _ssm_global(inst, layer, block):
@@ -66,8 +54,8 @@ def _check_bytes(p, d, records, conv_layout):
         assert len(d_attn) == len(p_attn)
         for layer in layout.attention_layers:
             for pb, db in zip(p_attn, d_attn, strict=True):
-                np.testing.assert_array_equal(_attn_global(d, layer, db),
-                                              _attn_global(p, layer, pb))
+                np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
+                                              pd.attention_block_bytes(p, layer, pb))
                 checked += 1
         for group in range(1, 4):
             pb, db = send.block_ids[group][-1], recv.block_ids[group][-1]
@@ -128,7 +116,7 @@ def test_n_minus_one_rule_on_both_sides():
 FAULTS = {
     "write_fails": dict(p_faults=pd.Faults(fail_write_from=0)),
     "connect_fails": dict(p_faults=pd.Faults(fail_connect=True)),
-    "prefill_unreachable": dict(d_port_shift=1),
+    "prefill_unreachable": dict(d_port_shift=1, lease=2.0),  # only the lease can free P
     "lease_expired": dict(lease=0.3, d_delay=0.8),
     "incompatible_layout": dict(d_conv="DS"),
 }
@@ -162,8 +150,10 @@ def test_every_fault_ends_every_request(name):
         _assert_empty(d)
         failures = sum(sum(w.ledger.counts.values()) for w in d.workers)
         assert failures == len(records), (name, [w.ledger.counts for w in d.workers])
-        if name == "lease_expired":
+        if name in ("lease_expired", "prefill_unreachable"):
             assert sum(w.stats["expired_leases"] for w in p.workers) == len(records)
+        else:  # D told P, which freed the blocks at once
+            assert sum(w.stats["expired_leases"] for w in p.workers) == 0
     finally:
         p.shutdown()
         d.shutdown()
@@ -182,15 +172,36 @@ def test_decode_abort_before_kv_releases_prefill_blocks():
                                    kv_transfer_params=dict(rec["params"]))
         d.scheduler.add_request(req)
         d.scheduler.finish_requests(req.request_id, pd.aborted())
-        deadline = time.monotonic() + 10
-        while (p.scheduler.has_requests() or d.scheduler.has_requests()) and \
-                time.monotonic() < deadline:
-            p.step()
-            d.step()
-            time.sleep(0.005)
+        pd.settle(p, d, timeout=10)
         _assert_empty(p)
         _assert_empty(d)
         assert sum(w.stats["expired_leases"] for w in p.workers) == 0  # released, not expired
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_decode_abort_during_write_holds_blocks_until_no_write_in_flight():
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 1, port, faults=pd.Faults(delay_seconds=1.0))
+    d = pd.build_instance("kv_consumer", 1, port + 5)
+    try:
+        records = pd.run_prefill(p, prompts=[40])
+        rec = next(iter(records.values()))
+        req = harness.make_request(rec["tokens"], max_tokens=3,
+                                   kv_transfer_params=dict(rec["params"]))
+        d.scheduler.add_request(req)
+        deadline = time.monotonic() + 10
+        while req.request_id not in d.recv_tasks and time.monotonic() < deadline:
+            p.step()
+            d.step()
+        time.sleep(0.2)  # the pull reached P, whose (slow) write is under way
+        d.scheduler.finish_requests(req.request_id, pd.aborted())
+        d.step()
+        assert harness.blocks_in_use(d.scheduler) > 0  # held: a write may still land
+        pd.settle(p, d, timeout=10)
+        _assert_empty(p)
+        _assert_empty(d)
     finally:
         p.shutdown()
         d.shutdown()

@@ -14,7 +14,7 @@ from vllm_flagcx.connector import FlagCXConnector
 def test_scheduler_builds_with_module_path(model):
     kv_config = (harness.hybrid_kv_cache_config() if model == harness.HYBRID_MODEL
                  else harness.dense_kv_cache_config())
-    config = harness.make_vllm_config(model=model, hma=True)
+    config = harness.make_vllm_config(model=model, hma=True, kv_role="kv_producer")
     scheduler = harness.make_scheduler(config, kv_config)
     assert type(scheduler.connector) is FlagCXConnector
     assert scheduler.connector.is_scheduler
@@ -22,7 +22,8 @@ def test_scheduler_builds_with_module_path(model):
 
 
 def test_requests_run_to_completion_and_free_every_block():
-    config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True)
+    config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True,
+                                      kv_role="kv_producer")
     scheduler = harness.make_scheduler(config, harness.hybrid_kv_cache_config())
     for n in (5, 17, 40):
         scheduler.add_request(harness.make_request(n, max_tokens=3))

@@ -121,3 +121,35 @@ def transfer_results(finished_sending: set[str], finished_recving: set[str],
     cls = KVConnectorTransferResults
     return cls(finished_sending=set(finished_sending), finished_recving=set(finished_recving),
                failed_recving=set(failed_recving))
+
+
+_StatsBase = optional("KVConnectorStats") or object
+
+
+class SummedConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
+    """vLLM ``KVConnectorStats`` whose ``data`` is a flat dict of counters that add up
+    across workers and intervals (bytes, descriptors, seconds, failures by stage)."""
+
+    def __init__(self, data: dict[str, float] | None = None) -> None:
+        self.data = dict(data or {})
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: Any) -> SummedConnectorStats:
+        for key, value in (getattr(other, "data", None) or {}).items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = dict(self.data)
+        seconds, total = out.get("send_seconds", 0.0), out.get("send_bytes", 0)
+        if seconds:
+            out["send_GBps"] = round(total / seconds / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data

@@ -25,6 +25,7 @@ from vllm_flagcx.compat.connector_api import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     PortableConnectorBase,
+    SummedConnectorStats,
     role_is_scheduler,
     transfer_results,
 )
@@ -228,6 +229,21 @@ class FlagCXConnector(PortableConnectorBase):
             failed = (self.worker.failed_last_step
                       if self.worker is not None and self._num_groups() > 1 else set())
             return transfer_results(sending or set(), recving or set(), failed)
+
+    # ---------------------------------------------------------------- stats
+    def get_kv_connector_stats(self) -> Any:
+        """Counters since the previous call (vLLM aggregates them across workers)."""
+        if self.worker is None:
+            return None
+        delta = self.worker.take_stats()
+        for stage, count in self.worker.ledger.take_counts().items():
+            delta[f"failures_{stage}"] = count
+        stats = SummedConnectorStats(delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return SummedConnectorStats(data)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -216,33 +216,3 @@ def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[R
     return coalesce(np.concatenate([p.src for p in parts]),
                     np.concatenate([p.dst for p in parts]),
                     np.concatenate([p.length for p in parts]))
-
-
-def _sends(section: Section, sender_rank: int, sender_tp: int, receiver_rank: int,
-           receiver_tp: int) -> bool:
-    units = 1 if section.replicated else section.global_units
-    if sender_rank not in target_remote_ranks(receiver_rank, receiver_tp, sender_tp, units,
-                                              is_mla=section.replicated):
-        return False
-    if section.replicated:
-        return True
-    s_lo, s_hi = head_range(sender_rank, sender_tp, units)
-    r_lo, r_hi = head_range(receiver_rank, receiver_tp, units)
-    return max(s_lo, r_lo) < min(s_hi, r_hi)
-
-
-def senders_of(receiver_rank: int, receiver_tp: int, sender_tp: int,
-               regions: Sequence[Region]) -> list[int]:
-    """Sender ranks that write something into this receiver rank (union over sections:
-    attention heads may be replicated while conv channels are sharded)."""
-    sections = {s for r in regions for s in r.sections}
-    return sorted({p for p in range(sender_tp) for s in sections
-                   if _sends(s, p, sender_tp, receiver_rank, receiver_tp)})
-
-
-def receivers_of(sender_rank: int, sender_tp: int, receiver_tp: int,
-                 regions: Sequence[Region]) -> list[int]:
-    """Receiver ranks this sender rank writes into: how many pulls to expect."""
-    sections = {s for r in regions for s in r.sections}
-    return sorted({d for d in range(receiver_tp) for s in sections
-                   if _sends(s, sender_rank, sender_tp, d, receiver_tp)})

@@ -169,7 +169,12 @@ class SchedulerHalf:
             remote = waiting or self._remote(request)
             if remote is not None:
                 self._pending.release[remote.transfer_id] = remote
-            return False, None
+            if waiting is None or self._pending.recv.pop(request.request_id, None):
+                return False, None  # no worker was told to pull: nothing can be in flight
+            # A pull may be writing into these blocks right now: keep them. Every dispatched
+            # pull ends (done, failed or timed out) in finished_recving, which is where
+            # vLLM frees the blocks of a request that already finished.
+            return True, None
         if not params.get("do_remote_decode") or not self._finished_by_length(request):
             return False, None
         ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]

@@ -4,8 +4,8 @@ Protocol (P pushes, D initiates; the cross-engine key is the router-minted trans
 
 1. D learns P's fact sheet from P rank 0 (``HandshakeRequest``): TP size, layout facts.
    Incompatible peers are rejected with the differing field named.
-2. Each D rank sends a ``PullRequest`` (its sheet, its block ids) to every P rank that holds
-   part of its bytes (``plans.senders_of``).
+2. Each D rank sends a ``PullRequest`` (its sheet, its block ids) to every P rank; a P rank
+   holding none of its bytes (replicated heads) answers at once with an empty plan.
 3. A P rank parks the pull until its scheduler armed the send, plans, writes through the
    transport, and answers ``PullReply`` per request. When every expected D rank pulled, P
    reports the request in ``finished_sending`` so vLLM frees its blocks.
@@ -51,6 +51,10 @@ class WorkerSettings:
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
 
 
+def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+
 def model_page_bytes(regions: list[Region], num_groups: int) -> tuple[int, ...]:
     """Per group, the bytes of one layer's block summed over ALL ranks (padding excluded).
 
@@ -74,6 +78,7 @@ class FailureLedger:
         self._lock = threading.Lock()
         self._failed: dict[str, tuple[str, str, list[int]]] = {}
         self.counts: dict[str, int] = defaultdict(int)
+        self._last_counts: dict[str, int] = {}
 
     def record(self, stage: str, request_id: str, block_ids: list[int], error: str) -> None:
         assert stage in STAGES, stage
@@ -83,6 +88,13 @@ class FailureLedger:
             self._failed[request_id] = (stage, error, list(block_ids))
             self.counts[stage] += 1
         logger.warning("FlagCX %s failure for request %s: %s", stage, request_id, error)
+
+    def take_counts(self) -> dict[str, int]:
+        """Failures by stage since the previous call (for stats)."""
+        with self._lock:
+            delta = _delta(self.counts, self._last_counts)
+            self._last_counts = dict(self.counts)
+        return delta
 
     def drain(self) -> tuple[set[str], set[int]]:
         with self._lock:
@@ -134,6 +146,7 @@ class WorkerHalf:
         self._server: threading.Thread | None = None
         self._pull_threads: list[threading.Thread] = []
         self.stats: dict[str, float] = defaultdict(float)
+        self._last_stats: dict[str, float] = {}
         self._pending_invalid: set[int] = set()
         self.failed_last_step: set[str] = set()
         self._zmq = None
@@ -233,9 +246,12 @@ class WorkerHalf:
         except (hs.HandshakeError, TimeoutError, OSError) as exc:
             self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
             self.ledger.record("handshake", task.request_id, flat, str(exc))
+            if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
+                self._release(remote.transfer_id, remote)
             return
-        senders = plans.senders_of(self.settings.tp_rank, self.settings.tp_size,
-                                   p_sheet.tp_size, self.regions)
+        # Every P rank is asked, also those holding nothing for this rank (replicated
+        # heads): they answer at once, and each P rank then knows when all D ranks pulled.
+        senders = range(p_sheet.tp_size)
         request = hs.PullRequest(remote.transfer_id, self.sheet,
                                  tuple(tuple(g) for g in task.block_ids),
                                  tuple(task.offsets))
@@ -246,10 +262,12 @@ class WorkerHalf:
                                   self.settings.recv_timeout)
             except (TimeoutError, OSError, hs.HandshakeError) as exc:
                 self.ledger.record("recv", task.request_id, flat, f"P rank {p_rank}: {exc}")
+                self._release(remote.transfer_id, remote)
                 return
             if not isinstance(reply, hs.PullReply) or not reply.ok:
                 error = getattr(reply, "error", type(reply).__name__)
                 self.ledger.record("recv", task.request_id, flat, f"P rank {p_rank}: {error}")
+                self._release(remote.transfer_id, remote)
                 return
             total += reply.num_bytes
         with self._lock:
@@ -353,6 +371,9 @@ class WorkerHalf:
             plan = plans.plan_transfer(self.regions, remote_regions, armed.task.block_ids,
                                        [list(g) for g in pull.block_ids], pair,
                                        receiver_offsets=list(pull.offsets) or None)
+            if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
+                self._finish_pull(armed, pull, failed=False)
+                return hs.PullReply(pull.transfer_id, True)
             handle = self._connection(pull.sheet)
             result = self.transport.write(handle, plan.src, plan.dst, plan.length)
         except (hs.HandshakeError, plans.PlanError, OSError, RuntimeError) as exc:
@@ -380,9 +401,7 @@ class WorkerHalf:
     def _finish_pull(self, armed: _Armed, pull: hs.PullRequest, failed: bool) -> None:
         with self._lock:
             if armed.expected is None:
-                armed.expected = set(plans.receivers_of(
-                    self.settings.tp_rank, self.settings.tp_size, pull.sheet.tp_size,
-                    self.regions))
+                armed.expected = set(range(pull.sheet.tp_size))
             armed.pulled.add(pull.sheet.tp_rank)
             if failed:
                 self.stats["send_failures"] += 1
@@ -396,6 +415,14 @@ class WorkerHalf:
             for tid in expired:
                 self._done_sending.add(self._armed.pop(tid).task.request_id)
                 self.stats["expired_leases"] += 1
+
+    def take_stats(self) -> dict[str, float]:
+        """Transfer counters since the previous call."""
+        with self._lock:
+            delta = _delta(self.stats, self._last_stats)
+            self._last_stats = dict(self.stats)
+        delta.pop("registered_storages", None)
+        return delta
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self) -> None:

@@ -1,0 +1,86 @@
+"""P/D lifecycle for a pure-attention model (one KV cache group, layer-first K/V regions).
+
+Runs on every build, 0.13 included: single-group failures go through vLLM's own
+block-level path (``invalid_block_ids`` + ``kv_load_failure_policy``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pd_harness as pd
+import pytest
+import torch
+import vllm_harness as harness
+
+_ports = itertools.count(27100, 10)
+
+
+def _empty(inst):
+    assert not inst.scheduler.has_requests()
+    assert harness.blocks_in_use(inst.scheduler) == 0
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_dense_pd_bytes_equal(p_tp, d_tp, dtype):
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", p_tp, port, model="dense", dtype=dtype, seed=3)
+    d = pd.build_instance("kv_consumer", d_tp, port + 5, model="dense", dtype=dtype, seed=4)
+    try:
+        records = pd.run_pd(p, d, prompts=[33, 64, 5])
+        for rec in records.values():
+            send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
+            recv = d.recv_tasks[rec["d_req"]]
+            assert recv.num_tokens == rec["tokens"]  # no Mamba group: all N tokens load
+            for layer in p.ranks[0].config.kv_cache_groups[0].layer_names:
+                for pb, db in zip(send.block_ids[0][-len(recv.block_ids[0]):],
+                                  recv.block_ids[0], strict=True):
+                    np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
+                                                  pd.attention_block_bytes(p, layer, pb))
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        regions = p.workers[0].regions
+        assert {r.name.rsplit(".", 1)[1] for r in regions} == {"k", "v"}  # layer-first
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_dense_load_failure_goes_through_vllm_policy():
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=pd.Faults(fail_write_from=0))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    try:
+        records = pd.run_pd(p, d, prompts=[40, 17])
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        assert sum(w.ledger.counts["recv"] for w in d.workers) == 2
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_stats_count_bytes_and_failures():
+    from vllm_flagcx.compat.connector_api import SummedConnectorStats
+
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    try:
+        pd.run_pd(p, d, prompts=[48])
+        sent = p.workers[0].take_stats()
+        assert sent["send_bytes"] == 3 * 2 * 2 * 16 * 2 * 64 * 2  # 3 blocks, 2 layers, K+V
+        assert sent["send_descriptors"] >= 1
+        assert p.workers[0].take_stats() == {}  # a delta: nothing new since
+        merged = SummedConnectorStats(dict(sent)).aggregate(SummedConnectorStats(
+            {"send_bytes": 1}))
+        assert merged.reduce()["send_bytes"] == sent["send_bytes"] + 1
+        assert d.workers[0].take_stats()["recv_requests"] == 1
+    finally:
+        p.shutdown()
+        d.shutdown()
