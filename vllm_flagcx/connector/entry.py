@@ -66,6 +66,24 @@ class FlagCXWorkerMetadata(KVConnectorWorkerMetadata):
         return FlagCXWorkerMetadata(self.failed_recving | other.failed_recving)
 
 
+_LOGGED: set[str] = set()
+
+
+def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[str]) -> None:
+    """One line with what was resolved: a silent capability change is a bug."""
+    if engine_id in _LOGGED:
+        return
+    _LOGGED.add(engine_id)
+    from vllm_flagcx.compat import mamba as compat_mamba
+    from vllm_flagcx.compat import version
+
+    v = version.installed_version()
+    vendor = version.classify_vendor(version.installed_platform_traits(), v)
+    logger.info("FlagCXConnector: vLLM %s (vendor %s), HMA %s, conv layout %s, KV cache "
+                "groups %s, engine %s", v.raw, vendor, hma_state(vllm_config),
+                compat_mamba.conv_state_layout(), group_kinds, engine_id)
+
+
 def load_factory(path: str) -> Any:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
@@ -102,9 +120,8 @@ class FlagCXConnector(PortableConnectorBase):
                 side_channel_host=str(self._extra("side_channel_host", "127.0.0.1")),
                 side_channel_port=self.side_channel_port, tp_size=self.tp_size,
                 lease_seconds=float(self._extra("lease_seconds", 30.0))), kv_cache_config)
-            logger.info("FlagCXConnector scheduler: engine %s, HMA %s, groups %s",
-                        self.engine_id, hma_state(vllm_config),
-                        [g.kind.value for g in self.scheduler.groups])
+            log_capabilities_once(vllm_config, self.engine_id,
+                                  [g.kind.value for g in self.scheduler.groups])
         self._metadata_payload: FlagCXMetadataPayload | None = None
 
     # ---------------------------------------------------------------- scheduler side

@@ -1,0 +1,37 @@
+"""Entry-class pieces that need no running engine: factory loading, worker metadata."""
+
+from __future__ import annotations
+
+import pytest
+import vllm_harness as harness
+
+from vllm_flagcx.connector.entry import FlagCXConnector, FlagCXWorkerMetadata, load_factory
+
+
+def test_transport_factory_errors_name_the_key():
+    with pytest.raises(ValueError, match="transport_factory='nocolon' must be 'module:callable'"):
+        load_factory("nocolon")
+    with pytest.raises(ValueError, match=r"transport_factory='no\.such\.module:make' cannot be"):
+        load_factory("no.such.module:make")
+    assert load_factory("transport_standin:MemmoveTransport").__name__ == "MemmoveTransport"
+
+
+def test_worker_metadata_aggregates_failures_across_ranks():
+    merged = FlagCXWorkerMetadata({"a"}).aggregate(FlagCXWorkerMetadata({"b"}))
+    assert merged.failed_recving == {"a", "b"}
+
+
+def test_required_layout_is_hnd_unless_mla():
+    config = harness.make_vllm_config()
+    assert FlagCXConnector.get_required_kvcache_layout(config) == "HND"
+
+
+def test_scheduler_side_rejects_malformed_params_by_computing_locally():
+    scheduler = harness.make_scheduler(harness.make_vllm_config(kv_role="kv_consumer"),
+                                       harness.dense_kv_cache_config())
+    request = harness.make_request(20, kv_transfer_params={"do_remote_prefill": True,
+                                                           "remote_port": "x"})
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {request.request_id: 20}  # computed here, not lost
+    assert scheduler.connector.scheduler.rejected_params == 1
