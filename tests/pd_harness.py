@@ -159,7 +159,8 @@ class Instance:
 def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    num_blocks: int = 48, faults: Faults | None = None, seed: int = 0,
                    lease_seconds: float = 30.0, recv_timeout: float = 10.0,
-                   model: str = "hybrid", dtype: Any = torch.bfloat16) -> Instance:
+                   model: str = "hybrid", dtype: Any = torch.bfloat16,
+                   peer_ttl: float = 300.0) -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
@@ -197,7 +198,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                            layout=layout, side_channel_port=port,
                                            lease_seconds=lease_seconds,
                                            recv_timeout=recv_timeout,
-                                           handshake_timeout=2.0),
+                                           handshake_timeout=2.0, peer_ttl=peer_ttl),
                             MemmoveTransport(faults))
         worker.register_regions(regions, serve=role == "kv_producer")
         workers.append(worker)

@@ -7,6 +7,7 @@ block-level path (``invalid_block_ids`` + ``kv_load_failure_policy``).
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pd_harness as pd
@@ -81,6 +82,53 @@ def test_stats_count_bytes_and_failures():
             {"send_bytes": 1}))
         assert merged.reduce()["send_bytes"] == sent["send_bytes"] + 1
         assert d.workers[0].take_stats()["recv_requests"] == 1
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_decode_heartbeats_keep_the_prefill_lease():
+    from vllm_flagcx.connector.heartbeat import HeartbeatSender
+    from vllm_flagcx.connector.params import parse_remote_prefill
+
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 2, port, model="dense", lease_seconds=0.6)
+    beats = HeartbeatSender(interval=0.15, timeout=0.5)
+    try:
+        records = pd.run_prefill(p, prompts=[40])
+        rec = next(iter(records.values()))
+        beats.watch("d-req", parse_remote_prefill(rec["params"]))
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            p.step()
+            time.sleep(0.01)
+        assert p.scheduler.connector.scheduler.num_held == 1  # still held: lease renewed
+        assert harness.blocks_in_use(p.scheduler) > 0
+        assert all(w.stats["lease_renewals"] > 0 for w in p.workers)  # on every P rank
+        assert sum(w.stats["expired_leases"] for w in p.workers) == 0
+        beats.unwatch("d-req")
+        deadline = time.monotonic() + 3
+        while harness.blocks_in_use(p.scheduler) and time.monotonic() < deadline:
+            p.step()
+            time.sleep(0.01)
+        assert harness.blocks_in_use(p.scheduler) == 0  # no heartbeat: the lease ends it
+        assert all(w.stats["expired_leases"] == 1 for w in p.workers)
+    finally:
+        beats.stop()
+        p.shutdown()
+
+
+@pytest.mark.parametrize(("ttl", "handshakes"), [(300.0, 1), (0.0, 2)])
+def test_cached_prefill_sheet_expires_by_ttl(ttl, handshakes):
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", peer_ttl=ttl)
+    try:
+        pd.run_pd(p, d, prompts=[20])
+        pd.run_pd(p, d, prompts=[24])
+        assert p.workers[0].stats["handshakes_served"] == handshakes
+        _empty(p)
+        _empty(d)
     finally:
         p.shutdown()
         d.shutdown()

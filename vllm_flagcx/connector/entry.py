@@ -263,6 +263,8 @@ class FlagCXConnector(PortableConnectorBase):
         return SummedConnectorStats(data)
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None

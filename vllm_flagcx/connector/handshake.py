@@ -115,12 +115,18 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
     transfer_id: str
 
 
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """D still intends to pull these transfers: P renews their leases."""
+
+    transfer_ids: tuple[str, ...]
+
+
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
     transfer_id: str
 
 
 Message = (HandshakeRequest | HandshakeReply | HandshakeRefused | PullRequest | PullReply
-           | Release | Ack)
+           | Release | Heartbeat | Ack)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)

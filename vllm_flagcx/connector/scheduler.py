@@ -25,6 +25,7 @@ from vllm_flagcx.compat import blocks as compat_blocks
 from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
+from vllm_flagcx.connector.heartbeat import HeartbeatSender
 from vllm_flagcx.connector.params import (
     RemotePrefill,
     TransferParamsError,
@@ -97,6 +98,7 @@ class SchedulerHalf:
         self._recv_requests: dict[str, Any] = {}  # request_id -> Request while loading
         self.recomputed_after_failure = 0
         self.rejected_params = 0
+        self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3)
 
     # -------------------------------------------------------------------- decode side
     def _remote(self, request: Any) -> RemotePrefill | None:
@@ -123,6 +125,9 @@ class SchedulerHalf:
                                                          self.has_mamba)
         count = wanted - num_computed_tokens
         self._local_hit[request.request_id] = num_computed_tokens
+        if count > 0:
+            # Until blocks are allocated here, keep prefill's lease on its blocks alive.
+            self.heartbeats.watch(request.request_id, self._remote(request))
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -130,6 +135,7 @@ class SchedulerHalf:
         remote = self._remote(request)
         if remote is None:
             return
+        self.heartbeats.unwatch(request.request_id)
         request.kv_transfer_params["do_remote_prefill"] = False  # never load twice
         if num_external_tokens <= 0:
             # Everything was a local hit: prefill still holds blocks; free them there.
@@ -164,6 +170,7 @@ class SchedulerHalf:
         waiting = self._waiting_recv.pop(request.request_id, None)
         self._local_hit.pop(request.request_id, None)
         self._recv_requests.pop(request.request_id, None)
+        self.heartbeats.unwatch(request.request_id)
         if params.get("do_remote_prefill") or waiting is not None:
             # Decode request ended before (or while) its KV arrived: tell prefill.
             remote = waiting or self._remote(request)
@@ -216,6 +223,9 @@ class SchedulerHalf:
             self._recv_requests.pop(req_id, None)
         for req_id in finished_sending or ():
             self._armed.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        self.heartbeats.stop()
 
     @property
     def num_held(self) -> int:

@@ -48,6 +48,7 @@ class WorkerSettings:
     recv_timeout: float = 40.0  # longer than the prefill lease
     lease_seconds: float = 30.0
     skip_compat_hash: bool = False
+    peer_ttl: float = 300.0  # re-handshake a cached prefill after this long (restarts)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
 
 
@@ -124,6 +125,7 @@ class _Armed:
     task: SendTask
     expected: set[int] | None = None  # receiver ranks, known at the first pull
     pulled: set[int] = field(default_factory=set)
+    writing: bool = False  # a write is under way: the lease cannot expire under it
 
 
 class WorkerHalf:
@@ -140,7 +142,7 @@ class WorkerHalf:
         self._parked: list[tuple[bytes, hs.PullRequest, float]] = []
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
-        self._peer_sheets: dict[tuple[str, int], hs.FactSheet] = {}
+        self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
@@ -226,15 +228,16 @@ class WorkerHalf:
 
     def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
         key = (host, port)
-        if key not in self._peer_sheets:
+        cached = self._peer_sheets.get(key)
+        if cached is None or time.monotonic() - cached[0] > self.settings.peer_ttl:
             reply = self._ask(host, port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0),
                               self.settings.handshake_timeout)
             if isinstance(reply, hs.HandshakeRefused):
                 raise hs.HandshakeError(f"prefill at {host}:{port} refused: {reply.reason}")
             if not isinstance(reply, hs.HandshakeReply):
                 raise hs.HandshakeError(f"unexpected handshake answer {type(reply).__name__}")
-            self._peer_sheets[key] = reply.sheet
-        return self._peer_sheets[key]
+            self._peer_sheets[key] = (time.monotonic(), reply.sheet)
+        return self._peer_sheets[key][1]
 
     def _pull(self, task: RecvTask) -> None:
         flat = [b for g in task.block_ids for b in g]
@@ -323,11 +326,21 @@ class WorkerHalf:
         except hs.HandshakeError as exc:
             return hs.HandshakeRefused(str(exc))
         if isinstance(message, hs.HandshakeRequest):
+            self.stats["handshakes_served"] += 1
             if message.protocol_version != hs.PROTOCOL_VERSION:
                 return hs.HandshakeRefused(
                     f"protocol_version: local {hs.PROTOCOL_VERSION}, remote "
                     f"{message.protocol_version}")
             return hs.HandshakeReply(self.sheet)
+        if isinstance(message, hs.Heartbeat):
+            renewed = time.monotonic() + self.settings.lease_seconds
+            with self._lock:
+                for tid in message.transfer_ids:
+                    armed = self._armed.get(tid)
+                    if armed is not None and armed.task.deadline < renewed:
+                        armed.task.deadline = renewed
+                        self.stats["lease_renewals"] += 1
+            return hs.Ack(",".join(message.transfer_ids)[:256])
         if isinstance(message, hs.Release):
             with self._lock:
                 armed = self._armed.pop(message.transfer_id, None)
@@ -349,6 +362,8 @@ class WorkerHalf:
         for ident, pull, deadline in parked:
             with self._lock:
                 armed = self._armed.get(pull.transfer_id)
+                if armed is not None:
+                    armed.writing = True
             if armed is None:
                 if now > deadline:
                     out.append((ident, hs.PullReply(pull.transfer_id, False,
@@ -400,6 +415,7 @@ class WorkerHalf:
 
     def _finish_pull(self, armed: _Armed, pull: hs.PullRequest, failed: bool) -> None:
         with self._lock:
+            armed.writing = False
             if armed.expected is None:
                 armed.expected = set(range(pull.sheet.tp_size))
             armed.pulled.add(pull.sheet.tp_rank)
@@ -411,7 +427,8 @@ class WorkerHalf:
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [tid for tid, a in self._armed.items() if a.task.deadline < now]
+            expired = [tid for tid, a in self._armed.items()
+                       if a.task.deadline < now and not a.writing]
             for tid in expired:
                 self._done_sending.add(self._armed.pop(tid).task.request_id)
                 self.stats["expired_leases"] += 1

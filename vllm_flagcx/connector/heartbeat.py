@@ -1,0 +1,81 @@
+"""Decode-side lease renewal: heartbeats for transfers decode will pull but has not yet.
+
+A decode request can wait in decode's queue (no free blocks) long after prefill finished.
+Prefill holds its blocks only for a lease; this thread, in the decode scheduler process,
+renews the lease of every awaited transfer every ``interval`` seconds, on every prefill
+rank, until the request is allocated (then the pull itself takes over) or ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+
+from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector.params import RemotePrefill
+
+logger = logging.getLogger("vllm_flagcx")
+
+
+class HeartbeatSender:
+    def __init__(self, interval: float, timeout: float = 1.0) -> None:
+        self.interval = interval
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._awaited: dict[str, RemotePrefill] = {}  # request id -> prefill
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+
+    def watch(self, request_id: str, remote: RemotePrefill) -> None:
+        with self._lock:
+            self._awaited[request_id] = remote
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="flagcx-heartbeat")
+                self._thread.start()
+
+    def unwatch(self, request_id: str) -> None:
+        with self._lock:
+            self._awaited.pop(request_id, None)
+
+    def _targets(self) -> dict[tuple[str, int, int], list[str]]:
+        with self._lock:
+            awaited = list(self._awaited.values())
+        out: dict[tuple[str, int, int], list[str]] = defaultdict(list)
+        for remote in awaited:
+            out[(remote.remote_host, remote.remote_port, remote.remote_tp_size)].append(
+                remote.transfer_id)
+        return out
+
+    def beat_once(self) -> None:
+        """One round of heartbeats (the thread calls this every ``interval``)."""
+        import zmq
+
+        context = zmq.Context.instance()
+        for (host, port, tp), tids in self._targets().items():
+            message = hs.encode(hs.Heartbeat(tuple(tids)))
+            for rank in range(tp):
+                sock = context.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, int(self.timeout * 1000))
+                sock.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
+                try:
+                    sock.connect(f"tcp://{host}:{port + rank}")
+                    sock.send(message)
+                    sock.recv()
+                    self.sent += 1
+                except zmq.error.ZMQError as exc:
+                    logger.debug("heartbeat to %s:%d failed: %s", host, port + rank, exc)
+                finally:
+                    sock.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.beat_once()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.timeout + self.interval)
