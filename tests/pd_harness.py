@@ -40,15 +40,17 @@ class RankCaches:
     caches: dict[str, Any]
 
 
-def rank_kv_cache_config(tp: int, num_blocks: int, repeats: int = 2) -> Any:
+def rank_kv_cache_config(tp: int, num_blocks: int, repeats: int = 2,
+                         conv_layout: str = "SD") -> Any:
     """The KVCacheConfig one TP rank of the tiny hybrid sees (heads and channels / tp)."""
     heads = max(1, KV_HEADS // tp)
     attention = kv_cache.make_full_attention_spec(block_size=BLOCK, num_kv_heads=heads,
                                                   head_size=HEAD_DIM, dtype=torch.bfloat16)
     page = attention.page_size_bytes
     conv_dim = (2 * KEY_DIM + VALUE_DIM) // tp
+    conv_shape = (CONV_WIDTH, conv_dim) if conv_layout == "SD" else (conv_dim, CONV_WIDTH)
     gdn = kv_cache.make_mamba_spec(block_size=BLOCK,
-                                   shapes=((CONV_WIDTH, conv_dim),
+                                   shapes=(conv_shape,
                                            (SSM_HEADS // tp, SSM_DIM, SSM_DIM)),
                                    dtypes=(torch.bfloat16, torch.float32),
                                    mamba_type="gdn_attention", page_size_padded=page)
@@ -87,11 +89,10 @@ def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
             spec = specs[name]
             page = spec.page_size_bytes
             if kv_cache.spec_kind(spec) is kv_cache.SpecKind.MAMBA:
-                (w, c), ssm_shape = spec.shapes
-                conv_shape = (w, c) if conv_layout == "SD" else (c, w)
+                conv_shape, ssm_shape = spec.shapes  # storage order of the conv layout
                 conv = torch.as_strided(raw.view(torch.bfloat16), (nb, *conv_shape),
                                         (page // 2, conv_shape[1], 1))
-                conv_bytes = w * c * 2
+                conv_bytes = conv_shape[0] * conv_shape[1] * 2
                 ssm = torch.as_strided(raw.view(torch.float32), (nb, *ssm_shape),
                                        (page // 4, ssm_shape[1] * ssm_shape[2], ssm_shape[2],
                                         1), storage_offset=conv_bytes // 4)
@@ -107,6 +108,41 @@ def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
     return RankCaches(config, raws, caches)
 
 
+class EntryWorkers:
+    """Drives real FlagCXConnector WORKER-role objects the way vLLM's model runner does:
+    bind metadata, start_load_kv, wait_for_save, get_finished (or get_transfer_results),
+    get_block_ids_with_load_errors, build_connector_worker_meta, clear metadata."""
+
+    def __init__(self, connectors: list[Any]) -> None:
+        self.connectors = connectors
+
+    @property
+    def halves(self) -> list[WorkerHalf]:
+        return [c.worker for c in self.connectors]
+
+    def run_step(self, meta: Any) -> tuple[Counter, Counter, set[int], set[str], Any]:
+        sending, recving, invalid, failed, metas = Counter(), Counter(), set(), set(), []
+        for c in self.connectors:
+            c.bind_connector_metadata(meta)
+            c.start_load_kv(None)
+            c.wait_for_save()
+            if hasattr(c, "get_transfer_results"):
+                results = c.get_transfer_results(set())
+                s, r = results.finished_sending, results.finished_recving
+                failed |= results.failed_recving
+            else:
+                s, r = c.get_finished(set())
+            sending.update(s or ())
+            recving.update(r or ())
+            invalid |= c.get_block_ids_with_load_errors()
+            worker_meta = c.build_connector_worker_meta()
+            if worker_meta is not None:
+                metas.append(worker_meta)
+                failed |= worker_meta.failed_recving
+            c.clear_connector_metadata()
+        return sending, recving, invalid, failed, metas
+
+
 @dataclass
 class Instance:
     scheduler: Any
@@ -118,6 +154,7 @@ class Instance:
     send_tasks: dict[str, Any] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)
+    entry: EntryWorkers | None = None
 
     def step(self) -> None:
         out = self.scheduler.schedule()
@@ -126,15 +163,11 @@ class Instance:
         if payload is not None:
             self.recv_tasks.update(payload.recv)
             self.send_tasks.update(payload.send)
-            for worker in self.workers:
-                worker.start_step(payload)
-        sending, recving, invalid = Counter(), Counter(), set()
-        for worker in self.workers:
-            s, r = worker.get_finished()
-            sending.update(s)
-            recving.update(r)
-            self.failed |= worker.failed_last_step
-            invalid |= worker.get_block_ids_with_load_errors()
+        if self.entry is not None:
+            sending, recving, invalid, failed, _ = self.entry.run_step(meta)
+            self.failed |= failed
+        else:
+            sending, recving, invalid = self._step_halves(payload)
         self.finished.update({f"s:{k}": v for k, v in sending.items()})
         self.finished.update({f"r:{k}": v for k, v in recving.items()})
         done_s = {k[2:] for k, v in self.finished.items() if k[0] == "s" and v == self.tp}
@@ -151,7 +184,24 @@ class Instance:
         self.outputs.append(self.scheduler.update_from_output(
             out, harness.model_output(out, kv_connector_output=kv_out)))
 
+    def _step_halves(self, payload: Any) -> tuple[Counter, Counter, set[int]]:
+        if payload is not None:
+            for worker in self.workers:
+                worker.start_step(payload)
+        sending, recving, invalid = Counter(), Counter(), set()
+        for worker in self.workers:
+            s, r = worker.get_finished()
+            sending.update(s)
+            recving.update(r)
+            self.failed |= worker.failed_last_step
+            invalid |= worker.get_block_ids_with_load_errors()
+        return sending, recving, invalid
+
     def shutdown(self) -> None:
+        if self.entry is not None:
+            for connector in self.entry.connectors:
+                connector.shutdown()
+            return
         for worker in self.workers:
             worker.shutdown()
 
@@ -160,18 +210,19 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    num_blocks: int = 48, faults: Faults | None = None, seed: int = 0,
                    lease_seconds: float = 30.0, recv_timeout: float = 10.0,
                    model: str = "hybrid", dtype: Any = torch.bfloat16,
-                   peer_ttl: float = 300.0) -> Instance:
+                   peer_ttl: float = 300.0, via_entry: bool = False) -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
                                       extra_config={"side_channel_port": port,
-                                                    "lease_seconds": lease_seconds})
+                                                    "lease_seconds": lease_seconds,
+                                                    "transport_factory":
+                                                        "transport_standin:factory"})
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp
-    make_config = (rank_kv_cache_config if hybrid else
-                   lambda t, n: dense_rank_kv_cache_config(t, n, dtype=dtype))
-    ranks = [allocate(make_config(tp, num_blocks), conv_layout, seed * 100 + r)
-             for r in range(tp)]
+    rank_config = (rank_kv_cache_config(tp, num_blocks, conv_layout=conv_layout) if hybrid
+                   else dense_rank_kv_cache_config(tp, num_blocks, dtype=dtype))
+    ranks = [allocate(rank_config, conv_layout, seed * 100 + r) for r in range(tp)]
     if tp > KV_HEADS:  # replicated KV heads hold the same bytes on every rank that has them
         for rank in range(tp):
             first = next(r for r in range(tp)
@@ -180,6 +231,15 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                 for layer in group.layer_names:
                     ranks[rank].caches[layer].copy_(ranks[first].caches[layer])
     scheduler = harness.make_scheduler(config, ranks[0].config)
+    if via_entry:  # the product's own worker path: vLLM's role enum, register_kv_caches
+        from vllm_flagcx.compat.connector_api import KVConnectorRole
+        from vllm_flagcx.connector import FlagCXConnector
+
+        assert tp == 1, "entry workers read their TP rank from vLLM's (absent) TP group"
+        connector = FlagCXConnector(config, KVConnectorRole.WORKER, ranks[0].config)
+        connector.register_kv_caches(ranks[0].caches)
+        return Instance(scheduler, [connector.worker], ranks, tp,
+                        entry=EntryWorkers([connector]))
     split = ConvSplit((("q", KEY_DIM // tp, KEY_DIM), ("k", KEY_DIM // tp, KEY_DIM),
                        ("v", VALUE_DIM // tp, VALUE_DIM)))
     workers = []

@@ -205,3 +205,29 @@ def test_decode_abort_during_write_holds_blocks_until_no_write_in_flight():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("model", ["hybrid", "dense"])
+def test_through_the_entry_class_worker_role(model):
+    """FlagCXConnector's own worker role (register_kv_caches, start_load_kv, get_finished /
+    get_transfer_results, worker meta) driven in the model runner's order."""
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 1, port, model=model, via_entry=True)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model=model, via_entry=True)
+    try:
+        records = pd.run_pd(p, d, prompts=[37, 19])
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        for rec in records.values():
+            send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
+            recv = d.recv_tasks[rec["d_req"]]
+            layer = p.ranks[0].config.kv_cache_groups[0].layer_names[0]
+            for pb, db in zip(send.block_ids[0], recv.block_ids[0], strict=True):
+                np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
+                                              pd.attention_block_bytes(p, layer, pb))
+        _assert_empty(p)
+        _assert_empty(d)
+        stats = p.entry.connectors[0].get_kv_connector_stats()
+        assert stats is not None and stats.reduce()["send_bytes"] > 0
+    finally:
+        p.shutdown()
+        d.shutdown()

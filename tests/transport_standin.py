@@ -94,3 +94,8 @@ class MemmoveTransport(Transport):
     def close(self) -> None:
         with _lock:
             _ENDPOINTS.pop(self._desc, None)
+
+
+def factory(vllm_config: object, tp_rank: int) -> MemmoveTransport:
+    """``transport_factory`` entry for kv_connector_extra_config (stand-in, see above)."""
+    return MemmoveTransport()

@@ -67,26 +67,51 @@ def mla_regions(name: str, cache: Any, spec: Any, group: int) -> list[R.Region]:
                  page_bytes=int(spec.page_size_bytes))
 
 
+def _mamba_state_facts(spec: Any, conv_layout: str) -> tuple[int, int, int, int, int]:
+    """(channels, state_len, conv elem bytes, ssm heads, ssm head bytes) from a MambaSpec.
+
+    Used for 0.34, whose Mamba cache is one int8 page per block (the layer splits it).
+    Spec shapes are in vLLM's storage order for the selected conv layout.
+    """
+    (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = spec.shapes[:2], spec.dtypes[:2]
+    if conv_layout == "DS":
+        channels, state_len = conv_shape
+    else:
+        state_len, channels = conv_shape
+    ssm_head_bytes = ssm_dtype.itemsize
+    for dim in ssm_shape[1:]:
+        ssm_head_bytes *= int(dim)
+    return int(channels), int(state_len), conv_dtype.itemsize, int(ssm_shape[0]), ssm_head_bytes
+
+
 def mamba_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
                   conv_layout: str, conv_split: R.ConvSplit | None) -> list[R.Region]:
-    if not isinstance(cache, (list, tuple)) or len(cache) != 2:
-        raise R.RegionError(f"{name}: expected the [conv, ssm] state views of a Mamba layer")
-    conv, ssm = cache
-    if conv_layout == "DS":
-        channels, state_len = int(conv.shape[1]), int(conv.shape[2])
+    """<= 0.22: ``[conv, ssm]`` views into one page; 0.34: one int8 page tensor."""
+    if isinstance(cache, (list, tuple)) and len(cache) == 2:
+        conv, ssm = cache
+        if conv_layout == "DS":
+            channels, state_len = int(conv.shape[1]), int(conv.shape[2])
+        else:
+            state_len, channels = int(conv.shape[1]), int(conv.shape[2])
+        elem, ssm_heads = int(conv.element_size()), int(ssm.shape[1])
+        ssm_head_bytes = int(ssm[0, 0].numel() * ssm.element_size())
+        base, block_stride, num_blocks = conv.data_ptr(), _nbytes_stride(conv, 0), conv.shape[0]
+    elif hasattr(cache, "data_ptr"):
+        channels, state_len, elem, ssm_heads, ssm_head_bytes = _mamba_state_facts(
+            spec, conv_layout)
+        base, block_stride, num_blocks = cache.data_ptr(), _nbytes_stride(cache, 0), \
+            cache.shape[0]
     else:
-        state_len, channels = int(conv.shape[1]), int(conv.shape[2])
+        raise R.RegionError(f"{name}: expected the [conv, ssm] state views or one page "
+                            "tensor of a Mamba layer")
     split = conv_split or R.ConvSplit((("conv", channels, channels * tp_size),))
     if split.channels != channels:
         raise R.RegionError(f"{name}: conv split covers {split.channels} channels, the state "
                             f"has {channels}")
-    ssm_heads = int(ssm.shape[1])
-    return R.mamba(layer=name, group=group, base=conv.data_ptr(),
-                   block_stride=_nbytes_stride(conv, 0), num_blocks=int(conv.shape[0]),
-                   conv_layout=conv_layout, conv_split=split, conv_state_len=state_len,
-                   conv_elem_bytes=int(conv.element_size()), ssm_heads=ssm_heads,
-                   ssm_global_heads=ssm_heads * tp_size,
-                   ssm_head_bytes=int(ssm[0, 0].numel() * ssm.element_size()),
+    return R.mamba(layer=name, group=group, base=base, block_stride=block_stride,
+                   num_blocks=int(num_blocks), conv_layout=conv_layout, conv_split=split,
+                   conv_state_len=state_len, conv_elem_bytes=elem, ssm_heads=ssm_heads,
+                   ssm_global_heads=ssm_heads * tp_size, ssm_head_bytes=ssm_head_bytes,
                    page_bytes=int(spec.page_size_bytes))
 
 

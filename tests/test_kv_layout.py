@@ -1,0 +1,57 @@
+"""Region extraction from KV tensors shaped the way each vLLM release hands them over."""
+
+from __future__ import annotations
+
+import pd_harness as pd
+import pytest
+import torch
+import vllm_harness as harness
+
+from vllm_flagcx.compat import kv_layout
+from vllm_flagcx.connector.regions import RegionError
+
+
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"])
+def test_mamba_page_tensor_equals_state_views(conv_layout):
+    """0.34 hands one int8 page per block; <= 0.22 hands [conv, ssm]: same regions."""
+    config = pd.rank_kv_cache_config(1, 8, conv_layout=conv_layout)
+    caches = pd.allocate(config, conv_layout, seed=0)
+    group = config.kv_cache_groups[1]
+    name, spec = group.layer_names[0], group.kv_cache_spec
+    conv, _ = caches.caches[name]
+    page = torch.as_strided(caches.raw[0], (8, spec.page_size_bytes),
+                            (spec.page_size_bytes, 1), storage_offset=0)
+    assert page.data_ptr() == conv.data_ptr()
+    from_views = kv_layout.mamba_regions(name, caches.caches[name], spec, 1, 1, conv_layout,
+                                         None)
+    from_page = kv_layout.mamba_regions(name, page, spec, 1, 1, conv_layout, None)
+    assert from_views == from_page
+
+
+def test_layer_first_and_blocks_first_attention():
+    dense = pd.dense_rank_kv_cache_config(1, 8)
+    caches = pd.allocate(dense, "SD", seed=0)
+    regions = kv_layout.regions_for_kv_caches(caches.caches, dense, 1, 2, "SD")
+    assert [r.name.rsplit(".", 1)[1] for r in regions] == ["k", "v", "k", "v"]
+    hybrid = pd.rank_kv_cache_config(1, 8)
+    caches = pd.allocate(hybrid, "SD", seed=0)
+    regions = kv_layout.regions_for_kv_caches(caches.caches, hybrid, 1, 2, "SD")
+    kinds = {r.layer: r.name.rsplit(".", 1)[1] for r in regions}
+    assert {kinds[n] for n in harness.HybridLayout().attention_layers} == {"kv"}
+    assert {kinds[n] for n in harness.HybridLayout().gdn_layers} == {"state"}
+
+
+def test_nhd_attention_cannot_be_head_sliced():
+    dense = pd.dense_rank_kv_cache_config(1, 4)
+    spec = dense.kv_cache_groups[0].kv_cache_spec
+    nhd = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)  # heads inside tokens
+    with pytest.raises(RegionError, match="HND"):
+        kv_layout.attention_regions("l", nhd, spec, 0, tp_size=2, total_kv_heads=4)
+
+
+def test_packed_kv_034_shape():
+    dense = pd.dense_rank_kv_cache_config(1, 4)
+    spec = dense.kv_cache_groups[0].kv_cache_spec
+    packed = torch.zeros(4, 2, 16, 2 * 64 * 2, dtype=torch.int8)  # [B, H, N, C]
+    (region,) = kv_layout.attention_regions("l", packed, spec, 0, 1, 2)
+    assert region.sections[0].units == 2 and region.block_bytes == 2 * 16 * 256
