@@ -76,6 +76,18 @@ def dense_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2,
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 
 
+MLA_HEAD = 576  # kv_lora_rank 512 + rope 64, DeepSeek-style latent
+
+
+def mla_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2) -> Any:
+    """MLA: every rank holds the whole latent (replicated across TP)."""
+    spec = kv_cache.make_mla_spec(block_size=BLOCK, head_size=MLA_HEAD, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    return kv_cache.make_kv_cache_config(
+        num_blocks=num_blocks, groups=[(names, spec)],
+        tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
+
+
 def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
     """Random-filled caches viewed as vLLM does (one int8 buffer per KVCacheTensor)."""
     gen = torch.Generator().manual_seed(seed)
@@ -97,6 +109,8 @@ def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
                                        (page // 4, ssm_shape[1] * ssm_shape[2], ssm_shape[2],
                                         1), storage_offset=conv_bytes // 4)
                 caches[name] = [conv, ssm]
+            elif kv_cache.spec_kind(spec) is kv_cache.SpecKind.MLA:
+                caches[name] = raw.view(torch.bfloat16).view(nb, BLOCK, spec.head_size)
             elif len(config.kv_cache_groups) == 1:  # layer-first (FlashAttention), HND
                 h, dim = spec.num_kv_heads, spec.head_size
                 phys = raw.view(spec.dtype).view(2, nb, h, BLOCK, dim)
@@ -210,20 +224,30 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    num_blocks: int = 48, faults: Faults | None = None, seed: int = 0,
                    lease_seconds: float = 30.0, recv_timeout: float = 10.0,
                    model: str = "hybrid", dtype: Any = torch.bfloat16,
-                   peer_ttl: float = 300.0, via_entry: bool = False) -> Instance:
+                   peer_ttl: float = 300.0, via_entry: bool = False,
+                   prefix_caching: bool = False) -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
                                       extra_config={"side_channel_port": port,
                                                     "lease_seconds": lease_seconds,
                                                     "transport_factory":
-                                                        "transport_standin:factory"})
+                                                        "transport_standin:factory"},
+                                      prefix_caching=prefix_caching)
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp
-    rank_config = (rank_kv_cache_config(tp, num_blocks, conv_layout=conv_layout) if hybrid
-                   else dense_rank_kv_cache_config(tp, num_blocks, dtype=dtype))
+    if model == "mla":
+        rank_config = mla_rank_kv_cache_config(tp, num_blocks)
+    elif hybrid:
+        rank_config = rank_kv_cache_config(tp, num_blocks, conv_layout=conv_layout)
+    else:
+        rank_config = dense_rank_kv_cache_config(tp, num_blocks, dtype=dtype)
     ranks = [allocate(rank_config, conv_layout, seed * 100 + r) for r in range(tp)]
-    if tp > KV_HEADS:  # replicated KV heads hold the same bytes on every rank that has them
+    if model == "mla":  # the latent is the same on every rank
+        for caches in ranks[1:]:
+            for name, tensor in caches.caches.items():
+                tensor.copy_(ranks[0].caches[name])
+    elif tp > KV_HEADS:  # replicated KV heads hold the same bytes on every rank with them
         for rank in range(tp):
             first = next(r for r in range(tp)
                          if head_range(r, tp, KV_HEADS) == head_range(rank, tp, KV_HEADS))
@@ -291,7 +315,7 @@ def run_prefill(p: Instance, prompts: list[int], timeout: float = 30.0) -> dict[
 
 
 def run_decode(p: Instance, d: Instance, records: dict[str, Any], max_tokens: int = 3,
-               timeout: float = 60.0, remote_port_shift: int = 0) -> None:
+               timeout: float = 60.0, remote_port_shift: int = 0, hasher: Any = None) -> None:
     """Send each prefilled request to decode with the params prefill returned; step both
     engines until neither holds a request (bounded)."""
     for rec in records.values():
@@ -299,7 +323,7 @@ def run_decode(p: Instance, d: Instance, records: dict[str, Any], max_tokens: in
         if params and remote_port_shift:
             params["remote_port"] += remote_port_shift
         req = harness.make_request(rec["tokens"], max_tokens=max_tokens,
-                                   kv_transfer_params=params)
+                                   kv_transfer_params=params, hasher=hasher)
         d.scheduler.add_request(req)
         rec["d_req"] = req.request_id
     settle(p, d, timeout)

@@ -132,3 +132,59 @@ def test_cached_prefill_sheet_expires_by_ttl(ttl, handshakes):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_mla_pd_bytes_equal_and_sent_once(p_tp, d_tp):
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", p_tp, port, model="mla", seed=5)
+    d = pd.build_instance("kv_consumer", d_tp, port + 5, model="mla", seed=6)
+    try:
+        records = pd.run_pd(p, d, prompts=[50, 9])
+        for rec in records.values():
+            send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
+            recv = d.recv_tasks[rec["d_req"]]
+            for layer in p.ranks[0].config.kv_cache_groups[0].layer_names:
+                for rank in d.ranks:
+                    got = rank.caches[layer][recv.block_ids[0]]
+                    want = p.ranks[0].caches[layer][send.block_ids[0]]
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        page = p.ranks[0].config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        blocks = sum(len(d.recv_tasks[r["d_req"]].block_ids[0]) for r in records.values())
+        sent = sum(w.stats["send_bytes"] for w in p.workers)
+        assert sent == blocks * page * 2 * d_tp  # 2 layers; each D rank gets it exactly once
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_partial_prefix_hit_on_decode_loads_only_the_tail():
+    port = next(_ports)
+    p = pd.build_instance("kv_producer", 1, port, model="dense", seed=7)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", seed=8,
+                          prefix_caching=True)
+    hasher = harness.block_hasher(pd.BLOCK)
+    try:
+        local = harness.make_request(32, max_tokens=1, hasher=hasher)  # same first 32 tokens
+        d.scheduler.add_request(local)
+        while d.scheduler.has_requests():
+            d.step()
+        layer = d.ranks[0].config.kv_cache_groups[0].layer_names[0]
+        records = pd.run_prefill(p, prompts=[60])
+        pd.run_decode(p, d, records, hasher=hasher)
+        rec = next(iter(records.values()))
+        recv = d.recv_tasks[rec["d_req"]]
+        send = next(iter(p.send_tasks.values()))
+        assert recv.num_tokens == 60 - 32 and recv.offsets == [2]
+        assert len(send.block_ids[0]) == 4 and len(recv.block_ids[0]) == 2
+        for pb, db in zip(send.block_ids[0][2:], recv.block_ids[0], strict=True):
+            np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
+                                          pd.attention_block_bytes(p, layer, pb))
+        assert sum(w.stats["send_bytes"] for w in p.workers) == 2 * 2 * 2 * 16 * 2 * 64 * 2
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -36,7 +36,8 @@ def make_vllm_config(*, model: Path = DENSE_MODEL, block_size: int = 16,
                      hma: bool | None = None, kv_role: str = "kv_both",
                      connector: str | None = CONNECTOR,
                      module_path: str | None = CONNECTOR_MODULE,
-                     max_model_len: int = 1024, extra_config: dict | None = None) -> Any:
+                     max_model_len: int = 1024, extra_config: dict | None = None,
+                     prefix_caching: bool = False) -> Any:
     """A real VllmConfig on the CPU device with a KV connector (or none)."""
     from vllm.config import (
         CacheConfig,
@@ -62,7 +63,7 @@ def make_vllm_config(*, model: Path = DENSE_MODEL, block_size: int = 16,
             kv_connector_extra_config=extra_config or {})
     return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                       cache_config=CacheConfig(block_size=block_size,
-                                               enable_prefix_caching=False),
+                                               enable_prefix_caching=prefix_caching),
                       device_config=DeviceConfig("cpu"), kv_transfer_config=kv_transfer)
 
 
@@ -136,8 +137,17 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
         block_size=block_size, hash_block_size=block_size, log_stats=False))
 
 
+def block_hasher(block_size: int) -> Any:
+    """vLLM's own request block hasher (what the engine attaches for prefix caching)."""
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256_cbor)
+    return get_request_block_hasher(block_size, sha256_cbor)
+
+
 def make_request(num_tokens: int, *, max_tokens: int = 4,
-                 kv_transfer_params: dict | None = None) -> Any:
+                 kv_transfer_params: dict | None = None, hasher: Any = None) -> Any:
     """A real v1 Request with ``num_tokens`` prompt tokens and greedy sampling."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -149,7 +159,7 @@ def make_request(num_tokens: int, *, max_tokens: int = 4,
     prompt = [(i % 400) + 3 for i in range(num_tokens)]
     request = Request(**_kwargs_for(
         Request, request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-        pooling_params=None, eos_token_id=2, arrival_time=0.0))
+        pooling_params=None, eos_token_id=2, arrival_time=0.0, block_hasher=hasher))
     if kv_transfer_params is not None and getattr(request, "kv_transfer_params", None) is None:
         request.kv_transfer_params = kv_transfer_params
     return request
