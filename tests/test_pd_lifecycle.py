@@ -119,6 +119,7 @@ FAULTS = {
     "prefill_unreachable": dict(d_port_shift=1, lease=2.0),  # only the lease can free P
     "lease_expired": dict(lease=0.3, d_delay=0.8),
     "incompatible_layout": dict(d_conv="DS"),
+    "reply_lost_in_time": dict(p_faults=pd.Faults(delay_seconds=4.0)),  # D waits 3 s
 }
 
 
@@ -150,6 +151,11 @@ def test_every_fault_ends_every_request(name):
         _assert_empty(d)
         failures = sum(sum(w.ledger.counts.values()) for w in d.workers)
         assert failures == len(records), (name, [w.ledger.counts for w in d.workers])
+        if name == "reply_lost_in_time":  # failed only after P's late write had landed
+            written = sorted(t for w in p.workers for t in w.transport.write_done_at)
+            failed = sorted(t for w in d.workers for t, *_ in w.ledger.recent)
+            assert len(written) == len(failed) == len(records)
+            assert all(f >= w for f, w in zip(failed, written, strict=True))
         if name in ("lease_expired", "prefill_unreachable"):
             assert sum(w.stats["expired_leases"] for w in p.workers) == len(records)
         else:  # D told P, which freed the blocks at once
@@ -231,3 +237,10 @@ def test_through_the_entry_class_worker_role(model):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_registration_failure_is_a_clear_startup_error():
+    from vllm_flagcx.transport.base import TransportError
+
+    with pytest.raises(TransportError, match=r"register\(0x[0-9a-f]+, \d+\) refused"):
+        pd.build_instance("kv_producer", 1, next(_ports), faults=pd.Faults(fail_register=True))

@@ -42,6 +42,7 @@ class MemmoveTransport(Transport):
         self.ranges: list[tuple[int, int]] = []
         self.writes = 0
         self.connects = 0
+        self.write_done_at: list[float] = []  # time.monotonic() of each completed copy
         self._desc = f"memmove:{next(_ids)}".encode()
         with _lock:
             _ENDPOINTS[self._desc] = self
@@ -89,6 +90,7 @@ class MemmoveTransport(Transport):
             return WriteResult(True, "", int(length.sum()))  # the lie FlagCX can tell
         for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
             ctypes.memmove(d, s, n)
+        self.write_done_at.append(time.monotonic())
         return WriteResult(True, "", int(length.sum()))
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,7 @@ class FailureLedger:
         self._lock = threading.Lock()
         self._failed: dict[str, tuple[str, str, list[int]]] = {}
         self.counts: dict[str, int] = defaultdict(int)
+        self.recent: deque[tuple[float, str, str, str]] = deque(maxlen=256)  # for operators
         self._last_counts: dict[str, int] = {}
 
     def record(self, stage: str, request_id: str, block_ids: list[int], error: str) -> None:
@@ -88,6 +89,7 @@ class FailureLedger:
                 return  # the first failure is the one reported
             self._failed[request_id] = (stage, error, list(block_ids))
             self.counts[stage] += 1
+            self.recent.append((time.monotonic(), stage, request_id, error))
         logger.warning("FlagCX %s failure for request %s: %s", stage, request_id, error)
 
     def take_counts(self) -> dict[str, int]:
@@ -177,7 +179,7 @@ class WorkerHalf:
         for task in payload.recv.values():
             self._spawn(self._pull, task)
         for transfer_id, remote in payload.release.items():
-            self._spawn(self._release, transfer_id, remote)
+            self._spawn(self._release, transfer_id, remote, self.settings.handshake_timeout)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving); failed receives are finished too, with
@@ -250,7 +252,7 @@ class WorkerHalf:
             self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
             self.ledger.record("handshake", task.request_id, flat, str(exc))
             if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
-                self._release(remote.transfer_id, remote)
+                self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
             return
         # Every P rank is asked, also those holding nothing for this rank (replicated
         # heads): they answer at once, and each P rank then knows when all D ranks pulled.
@@ -264,13 +266,11 @@ class WorkerHalf:
                 reply = self._ask(remote.remote_host, remote.remote_port + p_rank, request,
                                   self.settings.recv_timeout)
             except (TimeoutError, OSError, hs.HandshakeError) as exc:
-                self.ledger.record("recv", task.request_id, flat, f"P rank {p_rank}: {exc}")
-                self._release(remote.transfer_id, remote)
+                self._fail_after_release(task, flat, f"P rank {p_rank}: {exc}")
                 return
             if not isinstance(reply, hs.PullReply) or not reply.ok:
                 error = getattr(reply, "error", type(reply).__name__)
-                self.ledger.record("recv", task.request_id, flat, f"P rank {p_rank}: {error}")
-                self._release(remote.transfer_id, remote)
+                self._fail_after_release(task, flat, f"P rank {p_rank}: {error}")
                 return
             total += reply.num_bytes
         with self._lock:
@@ -279,16 +279,33 @@ class WorkerHalf:
             self.stats["recv_seconds"] += time.monotonic() - started
             self.stats["recv_requests"] += 1
 
-    def _release(self, transfer_id: str, remote: Any) -> None:
+    def _fail_after_release(self, task: RecvTask, flat: list[int], error: str) -> None:
+        """Fail a pull only once prefill confirmed no write into these blocks is in flight.
+
+        A pull that timed out may still be written by a slow prefill; reporting it now
+        would let vLLM reuse the blocks under that write. Each prefill rank handles its
+        side channel in order, so its Ack to the Release comes after any write it had
+        under way. The wait is bounded by the lease.
+        """
+        confirmed = self._release(task.remote.transfer_id, task.remote,
+                                  self.settings.lease_seconds)
+        if not confirmed:
+            error += "; prefill did not confirm that no write is in flight"
+        self.ledger.record("recv", task.request_id, flat, error)
+
+    def _release(self, transfer_id: str, remote: Any, timeout: float) -> bool:
+        """Tell every prefill rank to drop ``transfer_id``; True when all acknowledged."""
         try:
             p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
             for p_rank in range(p_sheet.tp_size):
                 self._ask(remote.remote_host, remote.remote_port + p_rank,
-                          hs.Release(transfer_id), self.settings.handshake_timeout)
+                          hs.Release(transfer_id), timeout)
         except (hs.HandshakeError, TimeoutError, OSError) as exc:
             # Prefill frees the blocks at lease expiry anyway.
-            logger.info("release of %s not delivered (%s); prefill lease frees it",
+            logger.info("release of %s not acknowledged (%s); the prefill lease frees it",
                         transfer_id, exc)
+            return False
+        return True
 
     # ---------------------------------------------------------------- prefill side
     def _start_server(self) -> None:
