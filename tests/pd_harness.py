@@ -30,6 +30,29 @@ from vllm_flagcx.connector.regions import ConvSplit
 from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
 
 KV_HEADS, HEAD_DIM, BLOCK = 2, 256, 16
+
+
+def free_port(span: int = 10) -> int:
+    """A base port with ``span`` consecutive free loopback ports (P binds base + rank)."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - span)
+        sockets = []
+        try:
+            for offset in range(span):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return base
+    raise RuntimeError("no block of free loopback ports found")
 KEY_DIM, VALUE_DIM, SSM_HEADS, SSM_DIM, CONV_WIDTH = 64, 128, 4, 32, 3
 
 

@@ -6,7 +6,6 @@ block-level path (``invalid_block_ids`` + ``kv_load_failure_policy``).
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -14,8 +13,6 @@ import pd_harness as pd
 import pytest
 import torch
 import vllm_harness as harness
-
-_ports = itertools.count(27100, 10)
 
 
 def _empty(inst):
@@ -26,7 +23,7 @@ def _empty(inst):
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (4, 2)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_dense_pd_bytes_equal(p_tp, d_tp, dtype):
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", p_tp, port, model="dense", dtype=dtype, seed=3)
     d = pd.build_instance("kv_consumer", d_tp, port + 5, model="dense", dtype=dtype, seed=4)
     try:
@@ -51,7 +48,7 @@ def test_dense_pd_bytes_equal(p_tp, d_tp, dtype):
 
 
 def test_dense_load_failure_goes_through_vllm_policy():
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense",
                           faults=pd.Faults(fail_write_from=0))
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
@@ -69,7 +66,7 @@ def test_dense_load_failure_goes_through_vllm_policy():
 def test_stats_count_bytes_and_failures():
     from vllm_flagcx.compat.connector_api import SummedConnectorStats
 
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense")
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
     try:
@@ -91,7 +88,7 @@ def test_decode_heartbeats_keep_the_prefill_lease():
     from vllm_flagcx.connector.heartbeat import HeartbeatSender
     from vllm_flagcx.connector.params import parse_remote_prefill
 
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 2, port, model="dense", lease_seconds=0.6)
     beats = HeartbeatSender(interval=0.15, timeout=0.5)
     try:
@@ -120,7 +117,7 @@ def test_decode_heartbeats_keep_the_prefill_lease():
 
 @pytest.mark.parametrize(("ttl", "handshakes"), [(300.0, 1), (0.0, 2)])
 def test_cached_prefill_sheet_expires_by_ttl(ttl, handshakes):
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense")
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", peer_ttl=ttl)
     try:
@@ -136,7 +133,7 @@ def test_cached_prefill_sheet_expires_by_ttl(ttl, handshakes):
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2), (4, 2)])
 def test_mla_pd_bytes_equal_and_sent_once(p_tp, d_tp):
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", p_tp, port, model="mla", seed=5)
     d = pd.build_instance("kv_consumer", d_tp, port + 5, model="mla", seed=6)
     try:
@@ -161,7 +158,7 @@ def test_mla_pd_bytes_equal_and_sent_once(p_tp, d_tp):
 
 
 def test_partial_prefix_hit_on_decode_loads_only_the_tail():
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense", seed=7)
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", seed=8,
                           prefix_caching=True)

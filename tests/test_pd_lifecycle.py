@@ -7,7 +7,6 @@ per TP rank. Both schedulers must end empty: no request, no block in use.
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -17,8 +16,6 @@ import torch
 import vllm_harness as harness
 
 from vllm_flagcx.compat.probe import FEATURES_BY_KEY
-
-_ports = itertools.count(26100, 10)
 
 pytestmark = pytest.mark.skipif(
     FEATURES_BY_KEY["hybrid_async_load"].probe() == "single_group",
@@ -76,7 +73,7 @@ def _assert_empty(inst):
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4)])
 @pytest.mark.parametrize("conv_layout", ["SD", "DS"])
 def test_hybrid_pd_bytes_equal(p_tp, d_tp, conv_layout):
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", p_tp, port, conv_layout, seed=1)
     d = pd.build_instance("kv_consumer", d_tp, port + 5, conv_layout, seed=2)
     try:
@@ -96,7 +93,7 @@ def test_hybrid_pd_bytes_equal(p_tp, d_tp, conv_layout):
 
 
 def test_n_minus_one_rule_on_both_sides():
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port)
     d = pd.build_instance("kv_consumer", 1, port + 5)
     try:
@@ -124,7 +121,7 @@ FAULTS = {
 
 
 def _run_fault(name, p_faults=None, d_port_shift=0, lease=30.0, d_delay=0.0, d_conv="SD"):
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, faults=p_faults, lease_seconds=lease)
     d = pd.build_instance("kv_consumer", 1, port + 5, conv_layout=d_conv, recv_timeout=3.0)
     try:
@@ -166,7 +163,7 @@ def test_every_fault_ends_every_request(name):
 
 
 def test_decode_abort_before_kv_releases_prefill_blocks():
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port)
     d = pd.build_instance("kv_consumer", 1, port + 5)
     try:
@@ -188,7 +185,7 @@ def test_decode_abort_before_kv_releases_prefill_blocks():
 
 
 def test_decode_abort_during_write_holds_blocks_until_no_write_in_flight():
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, faults=pd.Faults(delay_seconds=1.0))
     d = pd.build_instance("kv_consumer", 1, port + 5)
     try:
@@ -217,7 +214,7 @@ def test_decode_abort_during_write_holds_blocks_until_no_write_in_flight():
 def test_through_the_entry_class_worker_role(model):
     """FlagCXConnector's own worker role (register_kv_caches, start_load_kv, get_finished /
     get_transfer_results, worker meta) driven in the model runner's order."""
-    port = next(_ports)
+    port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model=model, via_entry=True)
     d = pd.build_instance("kv_consumer", 1, port + 5, model=model, via_entry=True)
     try:
@@ -243,4 +240,4 @@ def test_registration_failure_is_a_clear_startup_error():
     from vllm_flagcx.transport.base import TransportError
 
     with pytest.raises(TransportError, match=r"register\(0x[0-9a-f]+, \d+\) refused"):
-        pd.build_instance("kv_producer", 1, next(_ports), faults=pd.Faults(fail_register=True))
+        pd.build_instance("kv_producer", 1, pd.free_port(), faults=pd.Faults(fail_register=True))
