@@ -153,3 +153,40 @@ class SummedConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
 
     def to_dict(self) -> dict[str, Any]:
         return self.data
+
+
+_PromBase = optional("KVConnectorPromMetrics") or object
+
+# counter key in SummedConnectorStats.data -> (Prometheus name, help)
+PROM_COUNTERS = {
+    "send_bytes": ("vllm:flagcx_sent_bytes", "Bytes FlagCXConnector wrote to decode"),
+    "send_descriptors": ("vllm:flagcx_sent_descriptors", "Descriptors in FlagCX writes"),
+    "send_seconds": ("vllm:flagcx_send_seconds", "Seconds spent in FlagCX writes"),
+    "recv_requests": ("vllm:flagcx_received_requests", "Requests whose KV arrived"),
+    "expired_leases": ("vllm:flagcx_expired_leases", "Prefill leases that expired unpulled"),
+    "failures_handshake": ("vllm:flagcx_failures_handshake", "Handshake failures"),
+    "failures_recv": ("vllm:flagcx_failures_recv", "Failed receives"),
+}
+
+
+class FlagCXPromMetrics(_PromBase):  # type: ignore[misc, valid-type]
+    """Counters per engine for the stats above (vLLM's KVConnectorPromMetrics contract)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        import prometheus_client
+
+        counter_cls = metric_types[prometheus_client.Counter]
+        self.counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in PROM_COUNTERS.items():
+            parent = counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self.counters[key] = {engine: parent.labels(*values)
+                                  for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self.counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)

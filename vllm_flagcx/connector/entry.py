@@ -21,6 +21,7 @@ from vllm_flagcx.compat.blocks import (
     require_hybrid_async_load,
 )
 from vllm_flagcx.compat.connector_api import (
+    FlagCXPromMetrics,
     KVConnectorMetadata,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
@@ -261,6 +262,13 @@ class FlagCXConnector(PortableConnectorBase):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return SummedConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return FlagCXPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.scheduler is not None:
