@@ -58,9 +58,17 @@ def test_package_import_is_cheap():
     assert heavy == set()
 
 
-def test_connector_import_loads_no_transport_library():
-    loaded = _modules_after_import("import vllm_flagcx.connector")
+def test_connector_import_is_side_effect_free():
+    """vLLM imports the connector module from its config code: no transport, no side
+    channel, no thread may come with it."""
+    code = ("import threading, sys\nbefore = threading.active_count()\n"
+            "import vllm_flagcx.connector\n"
+            "print(threading.active_count() - before)\n"
+            "print(' '.join(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split("\n")
+    loaded = set(out[1].split())
     assert "vllm_flagcx.connector" in loaded
+    assert int(out[0]) <= 0  # vLLM's own imports may start none of ours
     assert not any(m.startswith("vllm_flagcx.transport.") for m in loaded)
-    assert "ctypes" not in loaded or not any("flagcx" in m.lower() and "vllm_flagcx" not in m
-                                             for m in loaded)
+    assert "vllm_flagcx.connector.worker" not in loaded

@@ -96,3 +96,12 @@ def test_connector_base_keeps_kv_cache_config():
     assert scheduler.connector.kv_cache_config is kv_config
     done, params = scheduler.connector.request_finished(harness.make_request(3), [1, 2])
     assert (done, params) == (False, None)
+
+
+def test_sliding_window_groups_keep_only_the_window():
+    from vllm_flagcx.connector.scheduler import clip_to_window
+
+    ids = list(range(10, 20))
+    assert clip_to_window(ids, None, 16) == ids
+    assert clip_to_window(ids, 32, 16) == [17, 18, 19]  # 2 window blocks + the partial one
+    assert clip_to_window(ids, 1000, 16) == ids
