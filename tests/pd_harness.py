@@ -248,14 +248,15 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    lease_seconds: float = 30.0, recv_timeout: float = 10.0,
                    model: str = "hybrid", dtype: Any = torch.bfloat16,
                    peer_ttl: float = 300.0, via_entry: bool = False,
-                   prefix_caching: bool = False) -> Instance:
+                   prefix_caching: bool = False, transport: str | None = None) -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
                                       extra_config={"side_channel_port": port,
                                                     "lease_seconds": lease_seconds,
-                                                    "transport_factory":
-                                                        "transport_standin:factory"},
+                                                    **({"transport": transport} if transport
+                                                       else {"transport_factory":
+                                                             "transport_standin:factory"})},
                                       prefix_caching=prefix_caching)
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp

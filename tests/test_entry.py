@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import vllm_harness as harness
 
-from vllm_flagcx.connector.entry import FlagCXConnector, FlagCXWorkerMetadata, load_factory
+from vllm_flagcx.connector.entry import (
+    FlagCXConnector,
+    FlagCXWorkerMetadata,
+    load_factory,
+    transport_factory_path,
+)
 
 
 def test_transport_factory_errors_name_the_key():
@@ -58,3 +63,14 @@ def test_prom_metrics_count_per_engine():
                                      {"model_name": "m", "engine": "1"}) == 2
     assert registry.get_sample_value("vllm:flagcx_sent_bytes_total",
                                      {"model_name": "m", "engine": "0"}) == 0
+
+
+def test_transport_selection_by_name():
+    def extra(values):
+        return lambda key, default=None: values.get(key, default)
+
+    assert transport_factory_path(extra({})).endswith("local:create_transport")  # no binding
+    assert transport_factory_path(extra({"transport": "local"})).endswith("local:create_transport")
+    assert transport_factory_path(extra({"transport_factory": "a:b"})) == "a:b"
+    with pytest.raises(ValueError, match="transport='rdma' is unknown"):
+        transport_factory_path(extra({"transport": "rdma"}))

@@ -210,13 +210,17 @@ def test_decode_abort_during_write_holds_blocks_until_no_write_in_flight():
         d.shutdown()
 
 
+@pytest.mark.parametrize("transport", [None, "local"], ids=["standin", "local"])
 @pytest.mark.parametrize("model", ["hybrid", "dense"])
-def test_through_the_entry_class_worker_role(model):
+def test_through_the_entry_class_worker_role(model, transport):
     """FlagCXConnector's own worker role (register_kv_caches, start_load_kv, get_finished /
-    get_transfer_results, worker meta) driven in the model runner's order."""
+    get_transfer_results, worker meta) driven in the model runner's order, over the
+    stand-in and over the product's same-host transport (process_vm_writev)."""
     port = pd.free_port()
-    p = pd.build_instance("kv_producer", 1, port, model=model, via_entry=True)
-    d = pd.build_instance("kv_consumer", 1, port + 5, model=model, via_entry=True)
+    p = pd.build_instance("kv_producer", 1, port, model=model, via_entry=True,
+                          transport=transport)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model=model, via_entry=True,
+                          transport=transport)
     try:
         records = pd.run_pd(p, d, prompts=[37, 19])
         assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}

@@ -2,7 +2,8 @@
 
 It dispatches every hook to the half for its role; both halves are written against
 ``vllm_flagcx.compat`` only. The transport is injected: ``kv_connector_extra_config``
-``transport_factory`` names a ``module:callable`` taking ``(vllm_config, tp_rank)``.
+``transport`` names one (flagcx | local | auto), or ``transport_factory`` a
+``module:callable`` taking ``(vllm_config, tp_rank)``.
 Nothing is started at import time; the worker half starts its side channel when the KV
 caches are registered.
 """
@@ -38,7 +39,10 @@ from vllm_flagcx.connector.scheduler import (
 
 logger = logging.getLogger("vllm_flagcx")
 
-DEFAULT_TRANSPORT_FACTORY = "vllm_flagcx.transport.flagcx:create_transport"
+TRANSPORTS = {
+    "flagcx": "vllm_flagcx.transport.flagcx:create_transport",
+    "local": "vllm_flagcx.transport.local:create_transport",
+}
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 
 
@@ -83,6 +87,27 @@ def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[st
     logger.info("FlagCXConnector: vLLM %s (vendor %s), HMA %s, conv layout %s, KV cache "
                 "groups %s, engine %s", v.raw, vendor, hma_state(vllm_config),
                 compat_mamba.conv_state_layout(), group_kinds, engine_id)
+
+
+def flagcx_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm_flagcx.transport.flagcx") is not None
+
+
+def transport_factory_path(extra: Any) -> str:
+    """``transport_factory`` if given, else the factory of ``transport`` (flagcx | local |
+    auto; auto = flagcx where its binding is installed, else the same-host transport)."""
+    explicit = extra("transport_factory")
+    if explicit:
+        return str(explicit)
+    name = str(extra("transport", "auto"))
+    if name == "auto":
+        name = "flagcx" if flagcx_available() else "local"
+    if name not in TRANSPORTS:
+        raise ValueError(f"kv_connector_extra_config.transport={name!r} is unknown; use one "
+                         f"of {sorted(TRANSPORTS)} or 'auto'")
+    return TRANSPORTS[name]
 
 
 def load_factory(path: str) -> Any:
@@ -176,8 +201,7 @@ class FlagCXConnector(PortableConnectorBase):
             conv_layout=compat_mamba.conv_state_layout(),
             num_kv_heads=int(model.get_total_num_kv_heads()))
         rank = compat_config.tp_rank()
-        transport = load_factory(str(self._extra("transport_factory",
-                                                  DEFAULT_TRANSPORT_FACTORY)))(vllm_config, rank)
+        transport = load_factory(transport_factory_path(self._extra))(vllm_config, rank)
         lease = float(self._extra("lease_seconds", 30.0))
         settings = WorkerSettings(
             engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size, layout=layout,

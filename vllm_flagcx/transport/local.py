@@ -1,0 +1,144 @@
+"""Same-host transport for host memory: ``process_vm_writev`` straight into the peer.
+
+The embedded default (a laptop, a CI machine, a single-node PD on one box with vLLM's CPU
+backend): one syscall per batch of up to IOV_MAX descriptors, no copy through a socket.
+The kernel checks permissions like ptrace does: a refusal names the setting to change.
+CUDA device memory needs CUDA IPC instead (not handled here: see the package README).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from vllm_flagcx.transport.base import Transport, TransportError, WriteResult
+
+IOV_MAX = 1024
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class _Description(msgspec.Struct, frozen=True):
+    host_id: str
+    pid: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+def host_id() -> str:
+    """This machine's identity: the kernel boot id (same host <=> same boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class _Peer:
+    pid: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+def _inside(ranges: tuple[tuple[int, int], ...] | list[tuple[int, int]], start: np.ndarray,
+            end: np.ndarray) -> bool:
+    ok = np.zeros(start.shape, dtype=bool)
+    for lo, hi in ranges:
+        ok |= (start >= lo) & (end <= hi)
+    return bool(ok.all())
+
+
+class LocalTransport(Transport):
+    """Writes host memory of another process on the same machine."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(self._libc, "process_vm_writev"):
+            raise TransportError("the local transport needs process_vm_writev (Linux >= 3.2)")
+        self._libc.process_vm_writev.restype = ctypes.c_ssize_t
+        self._libc.process_vm_writev.argtypes = [
+            ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
+            ctypes.c_ulong, ctypes.c_ulong]
+        self.ranges: list[tuple[int, int]] = []
+
+    def register(self, address: int, size: int) -> None:
+        if address <= 0 or size <= 0:
+            raise TransportError(f"register({address:#x}, {size}): address and size must be > 0")
+        self.ranges.append((address, address + size))
+
+    def describe(self) -> bytes:
+        return msgspec.msgpack.encode(_Description(host_id(), os.getpid(), tuple(self.ranges)))
+
+    def connect(self, peer: bytes) -> _Peer:
+        try:
+            desc = msgspec.msgpack.decode(peer, type=_Description)
+        except msgspec.DecodeError as exc:
+            raise TransportError(f"not a local-transport description: {exc}") from exc
+        if desc.host_id != host_id():
+            raise TransportError(
+                "the local transport only reaches processes on this host, and the peer runs "
+                "on another one; set kv_connector_extra_config.transport='flagcx' for "
+                "prefill and decode on different machines")
+        return _Peer(desc.pid, desc.ranges)
+
+    def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
+              length: np.ndarray) -> WriteResult:
+        peer: _Peer = handle  # type: ignore[assignment]
+        src, dst, length = (np.asarray(a, dtype=np.uint64) for a in (src, dst, length))
+        if src.size == 0:
+            return WriteResult(True)
+        if not _inside(self.ranges, src, src + length):
+            return WriteResult(False, "source outside this process's registered memory")
+        if not _inside(peer.ranges, dst, dst + length):
+            return WriteResult(False, f"destination outside the memory pid {peer.pid} "
+                                      "registered")
+        total = 0
+        for start in range(0, src.size, IOV_MAX):
+            result = self._write_chunk(peer.pid, src[start:start + IOV_MAX],
+                                       dst[start:start + IOV_MAX],
+                                       length[start:start + IOV_MAX])
+            if not result.ok:
+                return result
+            total += result.num_bytes
+        return WriteResult(True, "", total)
+
+    def _write_chunk(self, pid: int, src: np.ndarray, dst: np.ndarray,
+                     length: np.ndarray) -> WriteResult:
+        n = src.size
+        local = (_IoVec * n)()
+        remote = (_IoVec * n)()
+        # iovec is (pointer, size): fill both arrays from numpy without a Python loop.
+        local_view = np.frombuffer(local, dtype=np.uint64).reshape(n, 2)
+        remote_view = np.frombuffer(remote, dtype=np.uint64).reshape(n, 2)
+        local_view[:, 0], local_view[:, 1] = src, length
+        remote_view[:, 0], remote_view[:, 1] = dst, length
+        expected = int(length.sum())
+        written = self._libc.process_vm_writev(pid, local, n, remote, n, 0)
+        if written < 0:
+            err = ctypes.get_errno()
+            if err == errno.EPERM:
+                return WriteResult(False, (
+                    f"process_vm_writev into pid {pid} refused (EPERM): run prefill and "
+                    "decode as the same user, and allow ptrace between them (kernel.yama."
+                    "ptrace_scope=0, or CAP_SYS_PTRACE, or --cap-add SYS_PTRACE in a "
+                    "container)"))
+            return WriteResult(False, f"process_vm_writev into pid {pid} failed: "
+                                      f"{os.strerror(err)}")
+        if written != expected:
+            return WriteResult(False, f"process_vm_writev wrote {written} of {expected} bytes "
+                                      f"into pid {pid}")
+        return WriteResult(True, "", written)
+
+
+def create_transport(vllm_config: object, tp_rank: int) -> LocalTransport:
+    """``transport_factory`` entry (also selected by ``transport: local``)."""
+    return LocalTransport()
