@@ -111,7 +111,7 @@ def mla_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2) -> Any:
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 
 
-def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
+def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1) -> RankCaches:
     """Random-filled caches viewed as vLLM does (one int8 buffer per KVCacheTensor)."""
     gen = torch.Generator().manual_seed(seed)
     specs = {n: g.kv_cache_spec for g in config.kv_cache_groups for n in g.layer_names}
@@ -136,7 +136,9 @@ def allocate(config: Any, conv_layout: str, seed: int) -> RankCaches:
                 caches[name] = raw.view(torch.bfloat16).view(nb, BLOCK, spec.head_size)
             elif len(config.kv_cache_groups) == 1:  # layer-first (FlashAttention), HND
                 h, dim = spec.num_kv_heads, spec.head_size
-                phys = raw.view(spec.dtype).view(2, nb, h, BLOCK, dim)
+                # vLLM allocates num_blocks * ratio kernel blocks of BLOCK // ratio tokens
+                phys = raw.view(spec.dtype).view(2, nb * kernel_ratio, h, BLOCK // kernel_ratio,
+                                                 dim)
                 caches[name] = phys.permute(0, 1, 3, 2, 4)  # logical (2, B, N, H, D)
             else:  # hybrid: attention restrided blocks-first so pages line up with GDN
                 h = spec.num_kv_heads
@@ -248,7 +250,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    lease_seconds: float = 30.0, recv_timeout: float = 10.0,
                    model: str = "hybrid", dtype: Any = torch.bfloat16,
                    peer_ttl: float = 300.0, via_entry: bool = False,
-                   prefix_caching: bool = False, transport: str | None = None) -> Instance:
+                   prefix_caching: bool = False, transport: str | None = None,
+                   kernel_ratio: int = 1) -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
@@ -266,7 +269,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
         rank_config = rank_kv_cache_config(tp, num_blocks, conv_layout=conv_layout)
     else:
         rank_config = dense_rank_kv_cache_config(tp, num_blocks, dtype=dtype)
-    ranks = [allocate(rank_config, conv_layout, seed * 100 + r) for r in range(tp)]
+    ranks = [allocate(rank_config, conv_layout, seed * 100 + r, kernel_ratio)
+             for r in range(tp)]
     if model == "mla":  # the latent is the same on every rank
         for caches in ranks[1:]:
             for name, tensor in caches.caches.items():
@@ -299,7 +303,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
             model=model, dtype="bfloat16", kv_cache_dtype=str(dtype).removeprefix("torch."),
             group_kinds=tuple(g.kind.value for g in groups),
             block_sizes=tuple(g.block_size for g in groups),
-            kernel_block_sizes=tuple(g.block_size for g in groups),
+            kernel_block_sizes=tuple(g.block_size // kernel_ratio for g in groups),
             page_bytes=model_page_bytes(regions, len(groups)), conv_layout=conv_layout,
             num_kv_heads=KV_HEADS)
         worker = WorkerHalf(WorkerSettings(engine_id=role, tp_rank=rank, tp_size=tp,
@@ -308,7 +312,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                            recv_timeout=recv_timeout,
                                            handshake_timeout=2.0, peer_ttl=peer_ttl),
                             MemmoveTransport(faults))
-        worker.register_regions(regions, serve=role == "kv_producer")
+        worker.register_regions(regions, serve=role == "kv_producer",
+                                logical_num_blocks=caches.config.num_blocks)
         workers.append(worker)
     return Instance(scheduler, workers, ranks, tp)
 

@@ -185,3 +185,45 @@ def test_partial_prefix_hit_on_decode_loads_only_the_tail():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_kernel_blocks_finer_than_logical_blocks(p_tp, d_tp):
+    """Attention kernels paging 8 tokens inside 16-token logical blocks: the plan expands
+    logical ids to kernel ids (heads sliced inside every kernel block)."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", p_tp, port, model="dense", kernel_ratio=2, seed=9)
+    d = pd.build_instance("kv_consumer", d_tp, port + 5, model="dense", kernel_ratio=2,
+                          seed=10)
+    try:
+        assert p.workers[0].kernel_ratios == [2]
+        records = pd.run_pd(p, d, prompts=[40])
+        rec = next(iter(records.values()))
+        send = next(iter(p.send_tasks.values()))
+        recv = d.recv_tasks[rec["d_req"]]
+        layer = p.ranks[0].config.kv_cache_groups[0].layer_names[0]
+        for pb, db in zip(send.block_ids[0], recv.block_ids[0], strict=True):
+            for j in range(2):
+                np.testing.assert_array_equal(
+                    pd.attention_block_bytes(d, layer, db * 2 + j),
+                    pd.attention_block_bytes(p, layer, pb * 2 + j))
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_mismatched_kernel_block_sizes_are_rejected_by_name():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", kernel_ratio=2)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", recv_timeout=3.0)
+    try:
+        pd.run_pd(p, d, prompts=[20])
+        (_, stage, _, error), = d.workers[0].ledger.recent
+        assert stage == "handshake" and "kernel_block_sizes" in error
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -186,17 +186,24 @@ class FlagCXConnector(PortableConnectorBase):
     def _make_worker(self, regions: list[Any]) -> Any:
         from vllm_flagcx.compat import mamba as compat_mamba
         from vllm_flagcx.connector import handshake as hs
-        from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
+        from vllm_flagcx.connector.worker import (
+            WorkerHalf,
+            WorkerSettings,
+            kernel_ratios,
+            model_page_bytes,
+        )
 
         vllm_config = self._vllm_config
         model = vllm_config.model_config
         groups = compat_kv.group_facts(self.kv_cache_config)
+        ratios = kernel_ratios(regions, len(groups), self.kv_cache_config.num_blocks)
         layout = hs.LayoutFacts(
             model=str(model.model), dtype=str(model.dtype).removeprefix("torch."),
             kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
             group_kinds=tuple(g.kind.value for g in groups),
             block_sizes=tuple(g.block_size for g in groups),
-            kernel_block_sizes=tuple(g.block_size for g in groups),
+            kernel_block_sizes=tuple(g.block_size // r for g, r in zip(groups, ratios,
+                                                                        strict=True)),
             page_bytes=model_page_bytes(regions, len(groups)),
             conv_layout=compat_mamba.conv_state_layout(),
             num_kv_heads=int(model.get_total_num_kv_heads()))
@@ -225,7 +232,8 @@ class FlagCXConnector(PortableConnectorBase):
             compat_config.gdn_conv_split(model.hf_config, self.tp_size))
         self.worker = self._make_worker(regions)
         ktc = self._vllm_config.kv_transfer_config
-        self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer))
+        self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
+                                     logical_num_blocks=self.kv_cache_config.num_blocks)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -72,6 +72,23 @@ def model_page_bytes(regions: list[Region], num_groups: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def kernel_ratios(regions: list[Region], num_groups: int, logical_num_blocks: int | None
+                  ) -> list[int]:
+    """Kernel blocks per logical block, per group (attention kernels may page finer than
+    the KV cache manager: vLLM then allocates ``num_blocks * ratio`` kernel blocks)."""
+    if not logical_num_blocks:
+        return [1] * num_groups
+    ratios = []
+    for group in range(num_groups):
+        counts = {r.num_blocks for r in regions if r.group == group} or {logical_num_blocks}
+        (count,) = counts if len(counts) == 1 else (None,)
+        if count is None or count % logical_num_blocks:
+            raise ValueError(f"KV cache group {group}: regions hold {sorted(counts)} blocks, "
+                             f"not a multiple of the {logical_num_blocks} logical blocks")
+        ratios.append(count // logical_num_blocks)
+    return ratios
+
+
 class FailureLedger:
     """Failed requests with their blocks, by stage; drained once per engine step."""
 
@@ -138,6 +155,7 @@ class WorkerHalf:
         self.transport = transport
         self.ledger = FailureLedger()
         self.regions: list[Region] = []
+        self.kernel_ratios: list[int] = []
         self.sheet: hs.FactSheet | None = None
         self._lock = threading.Lock()
         self._armed: dict[str, _Armed] = {}  # transfer_id -> held send
@@ -156,7 +174,10 @@ class WorkerHalf:
         self._zmq = None
 
     # ---------------------------------------------------------------- registration
-    def register_regions(self, regions: list[Region], serve: bool) -> None:
+    def register_regions(self, regions: list[Region], serve: bool,
+                         logical_num_blocks: int | None = None) -> None:
+        self.kernel_ratios = kernel_ratios(regions, len(self.settings.layout.block_sizes),
+                                           logical_num_blocks)
         spans = unique_storages([(r.base, r.end - r.base) for r in regions])
         for address, size in spans:
             self.transport.register(address, size)
@@ -402,6 +423,7 @@ class WorkerHalf:
                                   pull.sheet.tp_rank, pull.sheet.tp_size)
             plan = plans.plan_transfer(self.regions, remote_regions, armed.task.block_ids,
                                        [list(g) for g in pull.block_ids], pair,
+                                       kernel_ratios=self.kernel_ratios or None,
                                        receiver_offsets=list(pull.offsets) or None)
             if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
                 self._finish_pull(armed, pull, failed=False)
