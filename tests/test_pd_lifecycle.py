@@ -116,21 +116,23 @@ FAULTS = {
     "prefill_unreachable": dict(d_port_shift=1, lease=2.0),  # only the lease can free P
     "lease_expired": dict(lease=0.3, d_delay=0.8),
     "incompatible_layout": dict(d_conv="DS"),
-    "reply_lost_in_time": dict(p_faults=pd.Faults(delay_seconds=4.0)),  # D waits 3 s
+    # D waits 3 s for a write that takes 4 s; one request, so write and failure pair up.
+    "reply_lost_in_time": dict(p_faults=pd.Faults(delay_seconds=4.0), prompts=(37,)),
 }
 
 
-def _run_fault(name, p_faults=None, d_port_shift=0, lease=30.0, d_delay=0.0, d_conv="SD"):
+def _run_fault(name, p_faults=None, d_port_shift=0, lease=30.0, d_delay=0.0, d_conv="SD",
+               prompts=(37, 20)):
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, faults=p_faults, lease_seconds=lease)
     d = pd.build_instance("kv_consumer", 1, port + 5, conv_layout=d_conv, recv_timeout=3.0)
     try:
         if d_delay:
-            records = pd.run_prefill(p, prompts=[37, 20])
+            records = pd.run_prefill(p, prompts=list(prompts))
             time.sleep(d_delay)
             pd.run_decode(p, d, records, remote_port_shift=d_port_shift)
         else:
-            records = pd.run_pd(p, d, prompts=[37, 20], remote_port_shift=d_port_shift)
+            records = pd.run_pd(p, d, prompts=list(prompts), remote_port_shift=d_port_shift)
         return p, d, records
     except BaseException:
         p.shutdown()
