@@ -9,9 +9,11 @@ Protocol (P pushes, D initiates; the cross-engine key is the router-minted trans
 3. A P rank parks the pull until its scheduler armed the send, plans, writes through the
    transport, and answers ``PullReply`` per request. When every expected D rank pulled, P
    reports the request in ``finished_sending`` so vLLM frees its blocks.
-4. A send never pulled expires after the lease; a pull not answered in time fails on D.
-   Every failure goes to the ``FailureLedger`` and ends the request (its blocks reported in
-   ``get_block_ids_with_load_errors``), so nothing waits forever.
+4. A send never pulled expires after the lease (decode heartbeats renew it); a pull not
+   answered in time fails on D once P acknowledged that no write is in flight. Every
+   failure goes to the ``FailureLedger`` and ends the request (single-group models: its
+   blocks in ``get_block_ids_with_load_errors``; hybrids: per request), so nothing waits
+   forever.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from vllm_flagcx.transport.base import Transport
 
 logger = logging.getLogger("vllm_flagcx")
 
-STAGES = ("handshake", "registration", "send", "recv", "watchdog")
+# Where a decode-side receive can fail. (Registration fails at startup, loudly; a failed
+# prefill-side write reaches decode as a failed pull reply; both are counted in stats.)
+STAGES = ("handshake", "recv")
 
 
 @dataclass(frozen=True)
@@ -81,11 +85,10 @@ def kernel_ratios(regions: list[Region], num_groups: int, logical_num_blocks: in
     ratios = []
     for group in range(num_groups):
         counts = {r.num_blocks for r in regions if r.group == group} or {logical_num_blocks}
-        (count,) = counts if len(counts) == 1 else (None,)
-        if count is None or count % logical_num_blocks:
+        if len(counts) != 1 or min(counts) % logical_num_blocks:
             raise ValueError(f"KV cache group {group}: regions hold {sorted(counts)} blocks, "
-                             f"not a multiple of the {logical_num_blocks} logical blocks")
-        ratios.append(count // logical_num_blocks)
+                             f"not one multiple of the {logical_num_blocks} logical blocks")
+        ratios.append(min(counts) // logical_num_blocks)
     return ratios
 
 
