@@ -65,7 +65,10 @@ def test_prom_metrics_count_per_engine():
                                      {"model_name": "m", "engine": "0"}) == 0
 
 
-def test_transport_selection_by_name():
+def test_transport_selection_by_name(monkeypatch):
+    monkeypatch.delenv("FLAGCX_LIB_PATH", raising=False)
+    monkeypatch.delenv("FLAGCX_PATH", raising=False)
+
     def extra(values):
         return lambda key, default=None: values.get(key, default)
 

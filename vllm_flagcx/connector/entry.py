@@ -89,21 +89,26 @@ def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[st
                 compat_mamba.conv_state_layout(), group_kinds, engine_id)
 
 
-def flagcx_available() -> bool:
-    import importlib.util
+def flagcx_available(configured_library: str | None = None) -> bool:
+    """True when libflagcx is configured and loads with every symbol and version needed."""
+    from vllm_flagcx.transport.flagcx import FlagCXLibrary, FlagCXLoadError, library_path
 
-    return importlib.util.find_spec("vllm_flagcx.transport.flagcx") is not None
+    try:
+        FlagCXLibrary(library_path(configured_library))
+    except FlagCXLoadError:
+        return False
+    return True
 
 
 def transport_factory_path(extra: Any) -> str:
     """``transport_factory`` if given, else the factory of ``transport`` (flagcx | local |
-    auto; auto = flagcx where its binding is installed, else the same-host transport)."""
+    auto; auto = flagcx when libflagcx loads, else the same-host transport)."""
     explicit = extra("transport_factory")
     if explicit:
         return str(explicit)
     name = str(extra("transport", "auto"))
     if name == "auto":
-        name = "flagcx" if flagcx_available() else "local"
+        name = "flagcx" if flagcx_available(extra("flagcx_library")) else "local"
     if name not in TRANSPORTS:
         raise ValueError(f"kv_connector_extra_config.transport={name!r} is unknown; use one "
                          f"of {sorted(TRANSPORTS)} or 'auto'")
