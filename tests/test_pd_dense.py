@@ -227,3 +227,37 @@ def test_mismatched_kernel_block_sizes_are_rejected_by_name():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_integrity_check_can_be_turned_off():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=pd.Faults(silent_skip_from=0))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", verify_integrity=False)
+    try:
+        records = pd.run_pd(p, d, prompts=[30])
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        assert d.workers[0].stats["integrity_failures"] == 0  # off: the loss goes unseen
+        assert d.workers[0].ledger.counts == {}
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_integrity_sample_spreads_over_descriptor_tails():
+    from vllm_flagcx.connector import integrity
+
+    buf = np.arange(4096, dtype=np.uint8)
+    base = buf.ctypes.data
+    src = base + np.arange(0, 4096, 128, dtype=np.uint64)
+    length = np.full(src.size, 100, dtype=np.uint64)
+    s, d = integrity.sample_ranges(src, src + np.uint64(1), length, max_samples=4,
+                                   sample_bytes=16)
+    assert len(s) == 4 and all(n == 16 for _, n in s)
+    assert s[0] == (base + 100 - 16, 16) and s[-1] == (int(src[-1]) + 100 - 16, 16)
+    assert [a + 1 for a, _ in s] == [a for a, _ in d]
+    before = integrity.checksum(s)
+    buf[100 - 1] ^= 0xFF  # a byte inside the first sample
+    assert integrity.checksum(s) != before

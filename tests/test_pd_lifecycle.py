@@ -116,6 +116,8 @@ FAULTS = {
     "prefill_unreachable": dict(d_port_shift=1, lease=2.0),  # only the lease can free P
     "lease_expired": dict(lease=0.3, d_delay=0.8),
     "incompatible_layout": dict(d_conv="DS"),
+    # The transport says "done" but copied nothing (FlagCX can do that): the check catches it.
+    "silent_slice_loss": dict(p_faults=pd.Faults(silent_skip_from=0)),
     # D waits 3 s for a write that takes 4 s; one request, so write and failure pair up.
     "reply_lost_in_time": dict(p_faults=pd.Faults(delay_seconds=4.0), prompts=(37,)),
 }
@@ -155,6 +157,8 @@ def test_every_fault_ends_every_request(name):
             failed = sorted(t for w in d.workers for t, *_ in w.ledger.recent)
             assert len(written) == len(failed) == len(records)
             assert all(f >= w for f, w in zip(failed, written, strict=True))
+        if name == "silent_slice_loss":
+            assert sum(w.stats["integrity_failures"] for w in d.workers) == len(records)
         if name in ("lease_expired", "prefill_unreachable"):
             assert sum(w.stats["expired_leases"] for w in p.workers) == len(records)
         else:  # D told P, which freed the blocks at once

@@ -188,7 +188,7 @@ class FlagCXConnector(PortableConnectorBase):
         return None if getattr(model, "use_mla", False) else "HND"
 
     # ---------------------------------------------------------------- worker side
-    def _make_worker(self, regions: list[Any]) -> Any:
+    def _make_worker(self, regions: list[Any], host_memory: bool) -> Any:
         from vllm_flagcx.compat import mamba as compat_mamba
         from vllm_flagcx.connector import handshake as hs
         from vllm_flagcx.connector.worker import (
@@ -223,7 +223,9 @@ class FlagCXConnector(PortableConnectorBase):
             handshake_timeout=float(self._extra("handshake_timeout", 5.0)),
             recv_timeout=float(self._extra("recv_timeout", lease + 10.0)),
             lease_seconds=lease,
-            skip_compat_hash=not bool(self._extra("enforce_handshake_compat", True)))
+            skip_compat_hash=not bool(self._extra("enforce_handshake_compat", True)),
+            verify_integrity=bool(self._extra("verify_integrity", True)),
+            host_memory=host_memory)
         return WorkerHalf(settings, transport)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -235,7 +237,9 @@ class FlagCXConnector(PortableConnectorBase):
             kv_caches, self.kv_cache_config, self.tp_size, model.get_total_num_kv_heads(),
             compat_mamba.conv_state_layout(),
             compat_config.gdn_conv_split(model.hf_config, self.tp_size))
-        self.worker = self._make_worker(regions)
+        first = next(iter(kv_caches.values()))
+        first = first[0] if isinstance(first, (list, tuple)) else first
+        self.worker = self._make_worker(regions, host_memory=first.device.type == "cpu")
         ktc = self._vllm_config.kv_transfer_config
         self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
                                      logical_num_blocks=self.kv_cache_config.num_blocks)

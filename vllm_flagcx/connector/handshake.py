@@ -107,6 +107,8 @@ class PullReply(msgspec.Struct, frozen=True, tag="pulled"):
     error: str = ""
     num_bytes: int = 0
     num_descriptors: int = 0
+    sample: tuple[tuple[int, int], ...] = ()  # receiver ranges of the integrity sample
+    sample_crc: int = 0
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):

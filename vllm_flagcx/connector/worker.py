@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from vllm_flagcx.connector import handshake as hs
-from vllm_flagcx.connector import plans
+from vllm_flagcx.connector import integrity, plans
 from vllm_flagcx.connector.regions import Region, Section, unique_storages
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload, RecvTask, SendTask
 from vllm_flagcx.transport.base import Transport
@@ -53,6 +53,8 @@ class WorkerSettings:
     lease_seconds: float = 30.0
     skip_compat_hash: bool = False
     peer_ttl: float = 300.0  # re-handshake a cached prefill after this long (restarts)
+    verify_integrity: bool = True  # checksum a sample of every transfer (host memory)
+    host_memory: bool = True  # the KV caches are host memory (readable for the check)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
 
 
@@ -296,12 +298,31 @@ class WorkerHalf:
                 error = getattr(reply, "error", type(reply).__name__)
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {error}")
                 return
+            if reply.sample and self._integrity_checked():
+                got = integrity.checksum(list(reply.sample))
+                if got != reply.sample_crc:
+                    self.stats["integrity_failures"] += 1
+                    self._fail_after_release(task, flat, (
+                        f"P rank {p_rank}: integrity check failed (crc {got:#x} != "
+                        f"{reply.sample_crc:#x}): the transport reported success but bytes "
+                        "did not land"))
+                    return
             total += reply.num_bytes
         with self._lock:
             self._done_recving.add(task.request_id)
             self.stats["recv_bytes"] += total
             self.stats["recv_seconds"] += time.monotonic() - started
             self.stats["recv_requests"] += 1
+
+    def _integrity_checked(self) -> bool:
+        if not self.settings.verify_integrity:
+            return False
+        if not self.settings.host_memory:
+            if not self.stats.get("integrity_skipped_device"):
+                logger.info("FlagCX integrity check skipped: KV caches are device memory")
+            self.stats["integrity_skipped_device"] = 1
+            return False
+        return True
 
     def _fail_after_release(self, task: RecvTask, flat: list[int], error: str) -> None:
         """Fail a pull only once prefill confirmed no write into these blocks is in flight.
@@ -446,7 +467,12 @@ class WorkerHalf:
             self.stats["send_descriptors"] += plan.num_descriptors
             self.stats["send_seconds"] += time.monotonic() - started
         self._finish_pull(armed, pull, failed=False)
-        return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors)
+        sample, crc = (), 0
+        if self.settings.verify_integrity and self.settings.host_memory:
+            src_ranges, dst_ranges = integrity.sample_ranges(plan.src, plan.dst, plan.length)
+            sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges)
+        return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
+                            sample, crc)
 
     def _connection(self, sheet: hs.FactSheet) -> object:
         handle = self._connections.get(sheet.incarnation)
