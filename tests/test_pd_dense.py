@@ -261,3 +261,22 @@ def test_integrity_sample_spreads_over_descriptor_tails():
     before = integrity.checksum(s)
     buf[100 - 1] ^= 0xFF  # a byte inside the first sample
     assert integrity.checksum(s) != before
+
+
+def test_transport_error_evicts_the_connection_and_the_next_request_reconnects():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=pd.Faults(fail_write_at=frozenset({0})))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    try:
+        pd.run_pd(p, d, prompts=[30])  # write 0 fails: connection dropped
+        pd.run_pd(p, d, prompts=[31])  # reconnects, succeeds
+        transport = p.workers[0].transport
+        assert transport.writes == 2 and transport.connects == 2
+        assert d.workers[0].ledger.counts["recv"] == 1
+        assert d.workers[0].stats["recv_requests"] == 1
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

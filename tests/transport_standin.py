@@ -28,6 +28,7 @@ class Faults:
     fail_register: bool = False
     fail_connect: bool = False
     fail_write_from: int | None = None  # the N-th write (0-based) and later fail
+    fail_write_at: frozenset[int] = frozenset()  # only these writes fail
     silent_skip_from: int | None = None  # report success but copy nothing (RDMA slice loss)
     delay_seconds: float = 0.0
 
@@ -78,7 +79,8 @@ class MemmoveTransport(Transport):
         if self.faults.delay_seconds:
             time.sleep(self.faults.delay_seconds)
         f = self.faults
-        if f.fail_write_from is not None and index >= f.fail_write_from:
+        if (f.fail_write_from is not None and index >= f.fail_write_from) or \
+                index in f.fail_write_at:
             return WriteResult(False, f"write {index} failed (fault knob)")
         peer: MemmoveTransport = handle  # type: ignore[assignment]
         src, dst, length = (a.astype(np.int64) for a in (src, dst, length))
