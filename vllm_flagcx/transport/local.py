@@ -1,9 +1,11 @@
-"""Same-host transport for host memory: ``process_vm_writev`` straight into the peer.
+"""Same-host transport: host memory by ``process_vm_writev``, GPU memory by CUDA IPC.
 
-The embedded default (a laptop, a CI machine, a single-node PD on one box with vLLM's CPU
-backend): one syscall per batch of up to IOV_MAX descriptors, no copy through a socket.
-The kernel checks permissions like ptrace does: a refusal names the setting to change.
-CUDA device memory needs CUDA IPC instead (not handled here: see the package README).
+The embedded default (a laptop, a CI machine, a single-node PD on one box). Host memory:
+one syscall per batch of up to IOV_MAX descriptors, no copy through a socket; the kernel
+checks permissions like ptrace does, and a refusal names the setting to change. Device
+memory (CUDA, and CUDA-alike vendor builds exposing the same driver API): each registered
+range is exported by CUDA IPC once, opened once per peer, and written by device copies
+synchronised before success is reported (``transport.cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
+class _DeviceRange(msgspec.Struct, frozen=True, array_like=True):
+    addr: int
+    size: int
+    base: int  # the allocation's base address (what the IPC handle maps)
+    handle: bytes
+    device: int
+
+
 class _Description(msgspec.Struct, frozen=True):
     host_id: str
     pid: int
     ranges: tuple[tuple[int, int], ...]
+    device_ranges: tuple[_DeviceRange, ...] = ()
 
 
 def host_id() -> str:
@@ -45,6 +56,7 @@ def host_id() -> str:
 class _Peer:
     pid: int
     ranges: tuple[tuple[int, int], ...]
+    device_ranges: tuple[_DeviceRange, ...] = ()
 
 
 def _inside(ranges: tuple[tuple[int, int], ...] | list[tuple[int, int]], start: np.ndarray,
@@ -69,14 +81,25 @@ class LocalTransport(Transport):
             ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
             ctypes.c_ulong, ctypes.c_ulong]
         self.ranges: list[tuple[int, int]] = []
+        self.device_ranges: list[_DeviceRange] = []
 
     def register(self, address: int, size: int) -> None:
         if address <= 0 or size <= 0:
             raise TransportError(f"register({address:#x}, {size}): address and size must be > 0")
-        self.ranges.append((address, address + size))
+        from vllm_flagcx.transport import cuda_ipc
+
+        try:
+            device = cuda_ipc.describe_device(address, size)
+        except cuda_ipc.CudaError as exc:
+            raise TransportError(f"register({address:#x}, {size}): {exc}") from exc
+        if device is not None:
+            self.device_ranges.append(_DeviceRange(**device))
+        else:
+            self.ranges.append((address, address + size))
 
     def describe(self) -> bytes:
-        return msgspec.msgpack.encode(_Description(host_id(), os.getpid(), tuple(self.ranges)))
+        return msgspec.msgpack.encode(_Description(host_id(), os.getpid(), tuple(self.ranges),
+                                                   tuple(self.device_ranges)))
 
     def connect(self, peer: bytes) -> _Peer:
         try:
@@ -88,7 +111,7 @@ class LocalTransport(Transport):
                 "the local transport only reaches processes on this host, and the peer runs "
                 "on another one; set kv_connector_extra_config.transport='flagcx' for "
                 "prefill and decode on different machines")
-        return _Peer(desc.pid, desc.ranges)
+        return _Peer(desc.pid, desc.ranges, desc.device_ranges)
 
     def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
               length: np.ndarray) -> WriteResult:
@@ -96,6 +119,8 @@ class LocalTransport(Transport):
         src, dst, length = (np.asarray(a, dtype=np.uint64) for a in (src, dst, length))
         if src.size == 0:
             return WriteResult(True)
+        if peer.device_ranges and self.device_ranges:
+            return self._write_device(peer, src, dst, length)
         if not _inside(self.ranges, src, src + length):
             return WriteResult(False, "source outside this process's registered memory")
         if not _inside(peer.ranges, dst, dst + length):
@@ -110,6 +135,33 @@ class LocalTransport(Transport):
                 return result
             total += result.num_bytes
         return WriteResult(True, "", total)
+
+    def _write_device(self, peer: _Peer, src: np.ndarray, dst: np.ndarray,
+                      length: np.ndarray) -> WriteResult:
+        """Device-to-device copies into the peer's IPC-mapped memory."""
+        from vllm_flagcx.transport import cuda_ipc
+
+        cuda = cuda_ipc.driver()
+        end_src, end_dst = src + length, dst + length
+        if not _inside([(r.addr, r.addr + r.size) for r in self.device_ranges], src, end_src):
+            return WriteResult(False, "source outside this process's registered GPU memory")
+        mapped = np.zeros(dst.shape, dtype=np.uint64)
+        found = np.zeros(dst.shape, dtype=bool)
+        try:
+            for r in peer.device_ranges:
+                inside = (dst >= r.addr) & (end_dst <= r.addr + r.size) & ~found
+                if inside.any():
+                    opened = cuda.open(r.handle, self.device_ranges[0].device)
+                    mapped[inside] = dst[inside] - np.uint64(r.base) + np.uint64(opened)
+                    found |= inside
+            if not found.all():
+                return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
+                                          "registered")
+            cuda.copy_batch(self.device_ranges[0].device, mapped.tolist(), src.tolist(),
+                            length.tolist())
+        except cuda_ipc.CudaError as exc:
+            return WriteResult(False, f"CUDA IPC write into pid {peer.pid} failed: {exc}")
+        return WriteResult(True, "", int(length.sum()))
 
     def _write_chunk(self, pid: int, src: np.ndarray, dst: np.ndarray,
                      length: np.ndarray) -> WriteResult:

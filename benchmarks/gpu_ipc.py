@@ -1,0 +1,105 @@
+"""GPU data path: the same-host transport (CUDA IPC) P -> D between two processes on one
+GPU, against a device-to-device copy of the same bytes measured in the same run.
+
+    python3 benchmarks/gpu_ipc.py [--json OUT.json]
+
+Descriptor sets as in the benchmark plan: 140 / 750 / 20,910 descriptors over the same
+~203 MB (a 32k-token request); bytes are verified once per set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+TOTAL = 750 * 270336  # 32k tokens of one rank's pages, ~203 MB
+SETS = (140, 750, 20910)
+REPEATS = 5
+
+
+def main() -> int:
+    import gpu_peer
+    import torch
+
+    from vllm_flagcx.transport.local import LocalTransport
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    pool = 2 * TOTAL
+    proc = ctx.Process(target=gpu_peer.gpu_decode_side, args=(child, pool), daemon=True)
+    proc.start()
+    desc, d_base = conn.recv()
+    src = torch.randint(0, 256, (pool,), dtype=torch.uint8, device="cuda")
+    p = LocalTransport()
+    p.register(src.data_ptr(), pool)
+    t0 = time.perf_counter()
+    handle = p.connect(desc)
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in SETS:
+        size = TOTAL // n // 256 * 256
+        slots = pool // size
+        s_idx = rng.permutation(slots)[:n].astype(np.uint64)
+        d_idx = rng.permutation(slots)[:n].astype(np.uint64)
+        s_addr = src.data_ptr() + s_idx * np.uint64(size)
+        d_addr = d_base + d_idx * np.uint64(size)
+        length = np.full(n, size, dtype=np.uint64)
+        assert p.write(handle, s_addr, d_addr, length).ok  # warm (opens the IPC handle)
+        conn.send("bytes")
+        got = np.frombuffer(conn.recv(), dtype=np.uint8)
+        host = src.cpu().numpy()
+        for k in rng.choice(n, size=min(n, 32), replace=False):
+            a, b = int(s_idx[k]) * size, int(d_idx[k]) * size
+            assert np.array_equal(got[b:b + size], host[a:a + size]), "bytes differ"
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            assert p.write(handle, s_addr, d_addr, length).ok
+            times.append(time.perf_counter() - start)
+        dst_local = torch.empty(n * size, dtype=torch.uint8, device="cuda")
+        base_times = []
+        for _ in range(REPEATS):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst_local.copy_(src[: n * size])
+            torch.cuda.synchronize()
+            base_times.append(time.perf_counter() - start)
+        moved = n * size
+        med, base = statistics.median(times), statistics.median(base_times)
+        rows.append({"descriptors": n, "bytes": moved, "ipc_ms": med * 1e3,
+                     "ipc_GBps": moved / med / 1e9, "us_per_descriptor": med / n * 1e6,
+                     "d2d_copy_GBps": moved / base / 1e9, "ratio": base / med,
+                     "p99_ms": max(times) * 1e3})
+    conn.send("stop")
+    proc.join(timeout=30)
+    fingerprint = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "python": platform.python_version(), "host": platform.node(),
+                   "connect_ms": None, "date": time.strftime("%Y-%m-%d")}
+    fingerprint["first_connect_s"] = round(time.perf_counter() - t0, 3)
+    print(json.dumps(fingerprint))
+    print(f"{'descriptors':>11} {'MB':>8} {'IPC ms':>8} {'IPC GB/s':>9} {'us/desc':>8} "
+          f"{'d2d GB/s':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['descriptors']:>11} {r['bytes'] / 1e6:>8.1f} {r['ipc_ms']:>8.2f} "
+              f"{r['ipc_GBps']:>9.1f} {r['us_per_descriptor']:>8.2f} "
+              f"{r['d2d_copy_GBps']:>9.1f} {r['ratio']:>6.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": fingerprint, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

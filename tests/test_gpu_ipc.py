@@ -1,0 +1,57 @@
+"""GPU memory between two processes on one GPU through the same-host transport (CUDA IPC).
+
+Needs CUDA (skipped elsewhere; CI has no GPU). Run on the GPU machine with
+``python3 -m pytest tests/test_gpu_ipc.py``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import gpu_peer
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture
+def decode_gpu():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    nbytes = 64 << 20
+    proc = ctx.Process(target=gpu_peer.gpu_decode_side, args=(child, nbytes), daemon=True)
+    proc.start()
+    assert parent.poll(120), "decode process did not start"
+    desc, base = parent.recv()
+    yield parent, desc, base, nbytes
+    parent.send("stop")
+    proc.join(timeout=30)
+
+
+def test_gpu_bytes_land_across_processes(decode_gpu):
+    from vllm_flagcx.transport.local import LocalTransport
+
+    conn, desc, d_base, nbytes = decode_gpu
+    block = 1 << 16
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    p = LocalTransport()
+    p.register(src.data_ptr(), nbytes)
+    assert p.device_ranges and not p.ranges  # recognised as device memory
+    p_ids = np.array([3, 4, 5, 6, 40, 100, 7, 900], dtype=np.uint64)
+    d_ids = np.array([10, 11, 12, 13, 2, 90, 0, 901], dtype=np.uint64)
+    result = p.write(p.connect(desc), src.data_ptr() + p_ids * block,
+                     d_base + d_ids * block, np.full(p_ids.size, block, dtype=np.uint64))
+    assert result.ok, result.error
+    conn.send("bytes")
+    got = np.frombuffer(conn.recv(), dtype=np.uint8).reshape(-1, block)
+    want = src.cpu().numpy().reshape(-1, block)
+    for pb, db in zip(p_ids.tolist(), d_ids.tolist(), strict=True):
+        np.testing.assert_array_equal(got[db], want[pb])
+    assert not got[[1, 8, 500]].any()
+    outside = p.write(p.connect(desc), np.array([src.data_ptr()], dtype=np.uint64),
+                      np.array([d_base + nbytes], dtype=np.uint64),
+                      np.array([16], dtype=np.uint64))
+    assert not outside.ok and "outside the GPU memory" in outside.error

@@ -1,0 +1,130 @@
+"""CUDA IPC for the same-host transport: the few CUDA driver calls it needs, via ctypes.
+
+Loaded lazily (``libcuda.so.1``) and only for device pointers, so host-only machines never
+touch it. A registered device range is exported once per allocation base
+(``cuIpcGetMemHandle``); a peer opens each handle once (``cuIpcOpenMemHandle``) and
+translates addresses into its mapping. Copies are asynchronous device-to-device memcpys on
+one stream, synchronised before success is reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from typing import Any
+
+CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_MEMORYTYPE_DEVICE = 2
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+IPC_HANDLE_BYTES = 64
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class CudaDriver:
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self._check(self.lib.cuInit(0), "cuInit")
+        self._local = threading.local()
+        self._opened: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise CudaError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+
+    def _attr(self, attribute: int, ptr: int) -> int | None:
+        value = ctypes.c_int(0)
+        rc = self.lib.cuPointerGetAttribute(ctypes.byref(value), attribute,
+                                            ctypes.c_uint64(ptr))
+        return value.value if rc == 0 else None
+
+    def is_device(self, ptr: int) -> bool:
+        return self._attr(CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) == CU_MEMORYTYPE_DEVICE
+
+    def device_of(self, ptr: int) -> int:
+        ordinal = self._attr(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        if ordinal is None:
+            raise CudaError(f"{ptr:#x} is not device memory")
+        return ordinal
+
+    def use_device(self, ordinal: int) -> None:
+        """Make the device's primary context current in this thread (side-channel threads
+        start without one)."""
+        if getattr(self._local, "device", None) == ordinal:
+            return
+        dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+        self._check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+                    "cuDevicePrimaryCtxRetain")
+        self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        stream = ctypes.c_void_p()
+        self._check(self.lib.cuStreamCreate(ctypes.byref(stream), 1), "cuStreamCreate")
+        self._local.device, self._local.stream = ordinal, stream
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                     ctypes.c_uint64(ptr)),
+                    "cuMemGetAddressRange")
+        return base.value, size.value
+
+    def export(self, base: int) -> bytes:
+        handle = _IpcHandle()
+        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base)),
+                    "cuIpcGetMemHandle (VMM/expandable_segments allocations cannot be shared)")
+        return bytes(handle.reserved)
+
+    def open(self, handle: bytes, ordinal: int) -> int:
+        with self._lock:
+            if handle in self._opened:
+                return self._opened[handle]
+            self.use_device(ordinal)
+            raw = _IpcHandle()
+            ctypes.memmove(raw.reserved, handle, IPC_HANDLE_BYTES)
+            ptr = ctypes.c_uint64(0)
+            self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw,
+                                                       CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                        "cuIpcOpenMemHandle")
+            self._opened[handle] = ptr.value
+            return ptr.value
+
+    def copy_batch(self, ordinal: int, dst: list[int], src: list[int],
+                   length: list[int]) -> None:
+        self.use_device(ordinal)
+        stream = self._local.stream
+        memcpy = self.lib.cuMemcpyDtoDAsync_v2
+        for d, s, n in zip(dst, src, length, strict=True):
+            rc = memcpy(ctypes.c_uint64(d), ctypes.c_uint64(s), ctypes.c_size_t(n), stream)
+            if rc != 0:
+                self._check(rc, "cuMemcpyDtoDAsync")
+        self._check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+@functools.lru_cache(maxsize=1)
+def driver() -> CudaDriver | None:
+    """The CUDA driver, or None on machines without one (host memory only)."""
+    try:
+        return CudaDriver()
+    except (OSError, CudaError, AttributeError):
+        return None
+
+
+def describe_device(ptr: int, size: int) -> dict[str, Any] | None:
+    """(export facts) for a registered device range, or None for host memory."""
+    cuda = driver()
+    if cuda is None or not cuda.is_device(ptr):
+        return None
+    base, _ = cuda.allocation(ptr)
+    return {"addr": ptr, "size": size, "base": base, "handle": cuda.export(base),
+            "device": cuda.device_of(ptr)}
