@@ -251,7 +251,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    model: str = "hybrid", dtype: Any = torch.bfloat16,
                    peer_ttl: float = 300.0, via_entry: bool = False,
                    prefix_caching: bool = False, transport: str | None = None,
-                   kernel_ratio: int = 1, verify_integrity: bool = True) -> Instance:
+                   kernel_ratio: int = 1, verify_integrity: bool = True,
+                   extra: dict | None = None) -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
@@ -259,7 +260,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                                     "lease_seconds": lease_seconds,
                                                     **({"transport": transport} if transport
                                                        else {"transport_factory":
-                                                             "transport_standin:factory"})},
+                                                             "transport_standin:factory"}),
+                                                    **(extra or {})},
                                       prefix_caching=prefix_caching)
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp

@@ -154,3 +154,42 @@ def test_auto_picks_flagcx_only_when_the_library_loads(libs, monkeypatch):
     assert transport_factory_path(good).endswith("flagcx:create_transport")
     old = extra({"flagcx_library": str(libs["old"])})
     assert transport_factory_path(old).endswith("local:create_transport")
+
+
+@pytest.mark.parametrize("silent_loss", [False, True])
+def test_connector_over_the_flagcx_binding(libs, monkeypatch, silent_loss):
+    """FlagCXConnector's worker role with transport='flagcx' (the real binding over the
+    stand-in engine): bytes arrive; a silent slice loss is caught by the integrity check."""
+    import pd_harness as pd
+    import vllm_harness as harness
+
+    if silent_loss:
+        monkeypatch.setenv("FLAGCX_STANDIN_SILENT_SKIP", "1")
+    port = pd.free_port()
+    extra = {"flagcx_library": str(libs["good"])}
+    p = pd.build_instance("kv_producer", 1, port, model="dense", via_entry=True,
+                          transport="flagcx", extra=extra, seed=11)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", via_entry=True,
+                          transport="flagcx", extra=extra, seed=12)
+    try:
+        assert p.workers[0].transport.name == "flagcx"
+        records = pd.run_pd(p, d, prompts=[33])
+        rec = next(iter(records.values()))
+        assert rec["d_req"] in pd.finished_ids(d)
+        integrity_failures = d.workers[0].stats["integrity_failures"]
+        if silent_loss:
+            assert integrity_failures == 1 and d.workers[0].ledger.counts["recv"] == 1
+        else:
+            assert integrity_failures == 0
+            send = next(iter(p.send_tasks.values()))
+            recv = d.recv_tasks[rec["d_req"]]
+            layer = p.ranks[0].config.kv_cache_groups[0].layer_names[0]
+            for pb, db in zip(send.block_ids[0], recv.block_ids[0], strict=True):
+                np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
+                                              pd.attention_block_bytes(p, layer, pb))
+        for inst in (p, d):
+            assert not inst.scheduler.has_requests()
+            assert harness.blocks_in_use(inst.scheduler) == 0
+    finally:
+        p.shutdown()
+        d.shutdown()
