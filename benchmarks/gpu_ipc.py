@@ -57,7 +57,11 @@ def main() -> int:
         s_addr = src.data_ptr() + s_idx * np.uint64(size)
         d_addr = d_base + d_idx * np.uint64(size)
         length = np.full(n, size, dtype=np.uint64)
-        assert p.write(handle, s_addr, d_addr, length).ok  # warm (opens the IPC handle)
+        warm = p.write(handle, s_addr, d_addr, length)  # warm (opens the IPC handle)
+        if not warm.ok:
+            print(f"write failed: {warm.error}", flush=True)
+            conn.send("stop")
+            return 1
         conn.send("bytes")
         got = np.frombuffer(conn.recv(), dtype=np.uint8)
         host = src.cpu().numpy()
@@ -87,7 +91,7 @@ def main() -> int:
     proc.join(timeout=30)
     fingerprint = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "python": platform.python_version(), "host": platform.node(),
-                   "connect_ms": None, "date": time.strftime("%Y-%m-%d")}
+                   "date": time.strftime("%Y-%m-%d")}
     fingerprint["first_connect_s"] = round(time.perf_counter() - t0, 3)
     print(json.dumps(fingerprint))
     print(f"{'descriptors':>11} {'MB':>8} {'IPC ms':>8} {'IPC GB/s':>9} {'us/desc':>8} "

@@ -75,7 +75,7 @@ def render_tox() -> str:
         "skip_install = true",
         f"deps = ruff=={settings['ruff_version']}",
         "commands_pre =",
-        "commands = ruff check vllm_flagcx matrix tests",
+        "commands = ruff check vllm_flagcx matrix tests benchmarks",
         "",
     ]
     return "\n".join(lines)

@@ -26,7 +26,8 @@ class CudaError(RuntimeError):
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+    # c_ubyte, not c_char: a c_char array field reads back cut at its first NUL byte.
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
 
 
 class CudaDriver:
