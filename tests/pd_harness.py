@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import cpu_platform  # noqa: F401 - first: spawned prefill processes import this module
 import numpy as np
 import torch
 import vllm_harness as harness
@@ -407,3 +408,26 @@ def finished_ids(instance: Instance) -> dict[str, str]:
                 if o.finish_reason is not None:
                     out[o.request_id] = str(o.finish_reason)
     return out
+
+
+def prefill_process(conn: Any, port: int, model: str, prompts: list[int],
+                    transport: str) -> None:
+    """A prefill instance in its own process (spawned): prefill the prompts, send back the
+    kv_transfer_params, serve pulls until told to stop, then send the bytes of the blocks
+    it sent, per layer, for the parent to compare."""
+    p = build_instance("kv_producer", 1, port, model=model, via_entry=True,
+                       transport=transport)
+    try:
+        records = run_prefill(p, prompts)
+        conn.send(records)
+        while not conn.poll(0.002):
+            p.step()
+        conn.recv()
+        settle(p, p, timeout=10)
+        layers = p.ranks[0].config.kv_cache_groups[0].layer_names
+        sent = {t.request_id: {layer: [attention_block_bytes(p, layer, b).tobytes()
+                                       for b in t.block_ids[0]] for layer in layers}
+                for t in p.send_tasks.values()}
+        conn.send((sent, busy(p)))
+    finally:
+        p.shutdown()

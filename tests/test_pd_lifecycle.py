@@ -251,3 +251,49 @@ def test_registration_failure_is_a_clear_startup_error():
 
     with pytest.raises(TransportError, match=r"register\(0x[0-9a-f]+, \d+\) refused"):
         pd.build_instance("kv_producer", 1, pd.free_port(), faults=pd.Faults(fail_register=True))
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_prefill_and_decode_in_two_processes_over_the_local_transport(model):
+    """P and D as separate processes: the same-host transport writes across them."""
+    import multiprocessing as mp
+
+    port = pd.free_port()
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=pd.prefill_process,
+                       args=(child, port, model, [37, 18], "local"), daemon=True)
+    proc.start()
+    d = None
+    try:
+        assert conn.poll(180), "prefill process did not start"
+        records = conn.recv()
+        d = pd.build_instance("kv_consumer", 1, port + 5, model=model, via_entry=True,
+                              transport="local")
+        for rec in records.values():
+            req = harness.make_request(rec["tokens"], max_tokens=3,
+                                       kv_transfer_params=dict(rec["params"]))
+            d.scheduler.add_request(req)
+            rec["d_req"] = req.request_id
+        deadline = time.monotonic() + 60
+        while pd.busy(d) and time.monotonic() < deadline:
+            d.step()
+            time.sleep(0.002)
+        conn.send("stop")
+        assert conn.poll(60)
+        sent, p_busy = conn.recv()
+        assert not p_busy  # prefill freed everything after the pulls
+        _assert_empty(d)
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        for rec in records.values():
+            recv = d.recv_tasks[rec["d_req"]]
+            for layer, blocks in sent[rec["p_req"]].items():
+                got = [pd.attention_block_bytes(d, layer, b).tobytes()
+                       for b in recv.block_ids[0]]
+                assert got == blocks
+    finally:
+        if d is not None:
+            d.shutdown()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
