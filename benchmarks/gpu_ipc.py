@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import platform
 import statistics
 import sys
@@ -28,20 +27,22 @@ REPEATS = 5
 
 
 def main() -> int:
-    import gpu_peer
-    import torch
-
-    from vllm_flagcx.transport.local import LocalTransport
+    import peers
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
     pool = 2 * TOTAL
-    proc = ctx.Process(target=gpu_peer.gpu_decode_side, args=(child, pool), daemon=True)
-    proc.start()
-    desc, d_base = conn.recv()
+    with peers.spawned(peers.gpu_decode_side, pool, start_timeout=120, stop="stop") as (
+            conn, (desc, d_base)):
+        return _run(conn, desc, d_base, pool, args)
+
+
+def _run(conn, desc, d_base, pool, args) -> int:
+    import torch
+
+    from vllm_flagcx.transport.local import LocalTransport
+
     src = torch.randint(0, 256, (pool,), dtype=torch.uint8, device="cuda")
     p = LocalTransport()
     p.register(src.data_ptr(), pool)
@@ -60,7 +61,6 @@ def main() -> int:
         warm = p.write(handle, s_addr, d_addr, length)  # warm (opens the IPC handle)
         if not warm.ok:
             print(f"write failed: {warm.error}", flush=True)
-            conn.send("stop")
             return 1
         conn.send("bytes")
         got = np.frombuffer(conn.recv(), dtype=np.uint8)
@@ -87,8 +87,6 @@ def main() -> int:
                      "ipc_GBps": moved / med / 1e9, "us_per_descriptor": med / n * 1e6,
                      "d2d_copy_GBps": moved / base / 1e9, "ratio": base / med,
                      "p99_ms": max(times) * 1e3})
-    conn.send("stop")
-    proc.join(timeout=30)
     fingerprint = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "python": platform.python_version(), "host": platform.node(),
                    "date": time.strftime("%Y-%m-%d")}

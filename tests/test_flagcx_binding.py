@@ -7,14 +7,13 @@ process); FlagCX itself needs an accelerator runtime and an RDMA NIC.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import flagcx_peer
 import numpy as np
+import peers
 import pytest
 
 from vllm_flagcx.connector import plans, regions
@@ -86,18 +85,10 @@ def test_split_large_descriptors():
 
 @pytest.fixture
 def decode_process(libs):
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
     size = 1 << 20
-    proc = ctx.Process(target=flagcx_peer.decode_side, args=(child, str(libs["good"]), size),
-                       daemon=True)
-    proc.start()
-    assert parent.poll(60), "decode process did not start"
-    desc, base = parent.recv()
-    yield parent, desc, base, size
-    proc.join(timeout=10)
-    if proc.is_alive():
-        proc.kill()
+    with peers.spawned(peers.decode_side, size, "flagcx", str(libs["good"])) as (
+            conn, (desc, base)):
+        yield conn, desc, base, size
 
 
 def test_two_processes_write_through_the_binding(libs, decode_process):

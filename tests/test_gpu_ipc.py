@@ -6,10 +6,8 @@ Needs CUDA (skipped elsewhere; CI has no GPU). Run on the GPU machine with
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
-import gpu_peer
 import numpy as np
+import peers
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,16 +17,10 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture
 def decode_gpu():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
     nbytes = 64 << 20
-    proc = ctx.Process(target=gpu_peer.gpu_decode_side, args=(child, nbytes), daemon=True)
-    proc.start()
-    assert parent.poll(120), "decode process did not start"
-    desc, base = parent.recv()
-    yield parent, desc, base, nbytes
-    parent.send("stop")
-    proc.join(timeout=30)
+    with peers.spawned(peers.gpu_decode_side, nbytes, start_timeout=120, stop="stop") as (
+            conn, (desc, base)):
+        yield conn, desc, base, nbytes
 
 
 def test_gpu_bytes_land_across_processes(decode_gpu):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
-import local_peer
 import numpy as np
+import peers
 import pytest
 
 from vllm_flagcx.connector import plans, regions
@@ -15,17 +13,9 @@ from vllm_flagcx.transport.local import IOV_MAX, LocalTransport
 
 @pytest.fixture
 def decode_process():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
     size = 1 << 20
-    proc = ctx.Process(target=local_peer.decode_side, args=(child, size), daemon=True)
-    proc.start()
-    assert parent.poll(60), "decode process did not start"
-    desc, base = parent.recv()
-    yield parent, desc, base, size
-    proc.join(timeout=10)
-    if proc.is_alive():
-        proc.kill()
+    with peers.spawned(peers.decode_side, size) as (conn, (desc, base)):
+        yield conn, desc, base, size
 
 
 def test_scattered_and_coalesced_writes_across_processes(decode_process):
