@@ -47,3 +47,25 @@ def test_gpu_bytes_land_across_processes(decode_gpu):
                       np.array([d_base + nbytes], dtype=np.uint64),
                       np.array([16], dtype=np.uint64))
     assert not outside.ok and "outside the GPU memory" in outside.error
+
+
+def test_many_whole_block_descriptors_take_the_batched_launch(decode_gpu):
+    from vllm_flagcx.transport import cuda_ipc
+    from vllm_flagcx.transport.local import LocalTransport
+
+    conn, desc, d_base, nbytes = decode_gpu
+    block = 4096
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    p = LocalTransport()
+    p.register(src.data_ptr(), nbytes)
+    rng = np.random.default_rng(3)
+    n = 3 * cuda_ipc.BATCH_MIN
+    p_ids = rng.permutation(nbytes // block)[:n].astype(np.uint64)
+    d_ids = rng.permutation(nbytes // block)[:n].astype(np.uint64)
+    result = p.write(p.connect(desc), src.data_ptr() + p_ids * block, d_base + d_ids * block,
+                     np.full(n, block, dtype=np.uint64))
+    assert result.ok, result.error
+    conn.send("bytes")
+    got = np.frombuffer(conn.recv(), dtype=np.uint8).reshape(-1, block)
+    want = src.cpu().numpy().reshape(-1, block)
+    np.testing.assert_array_equal(got[d_ids.astype(np.int64)], want[p_ids.astype(np.int64)])

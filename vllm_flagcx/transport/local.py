@@ -157,8 +157,7 @@ class LocalTransport(Transport):
             if not found.all():
                 return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
                                           "registered")
-            cuda.copy_batch(self.device_ranges[0].device, mapped.tolist(), src.tolist(),
-                            length.tolist())
+            cuda.copy_batch(self.device_ranges[0].device, mapped, src, length)
         except cuda_ipc.CudaError as exc:
             return WriteResult(False, f"CUDA IPC write into pid {peer.pid} failed: {exc}")
         return WriteResult(True, "", int(length.sum()))
