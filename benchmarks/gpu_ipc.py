@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -42,6 +43,7 @@ def _timed(p, handle, s_addr, d_addr, length, batch_min: int) -> list[float]:
     from vllm_flagcx.transport import cuda_ipc
 
     cuda_ipc.BATCH_MIN = batch_min
+    os.environ[cuda_ipc.BATCHED_ENV] = "1"
     out = []
     for _ in range(REPEATS):
         start = time.perf_counter()

@@ -49,10 +49,11 @@ def test_gpu_bytes_land_across_processes(decode_gpu):
     assert not outside.ok and "outside the GPU memory" in outside.error
 
 
-def test_many_whole_block_descriptors_take_the_batched_launch(decode_gpu):
+def test_many_whole_block_descriptors_take_the_batched_launch(decode_gpu, monkeypatch):
     from vllm_flagcx.transport import cuda_ipc
     from vllm_flagcx.transport.local import LocalTransport
 
+    monkeypatch.setenv(cuda_ipc.BATCHED_ENV, "1")
     conn, desc, d_base, nbytes = decode_gpu
     block = 4096
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")

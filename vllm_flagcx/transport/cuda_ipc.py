@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from typing import Any
 
@@ -23,6 +24,8 @@ CU_MEMORYTYPE_DEVICE = 2
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 IPC_HANDLE_BYTES = 64
 BATCH_MIN = 64  # from this many descriptors on, try one batched launch
+# The batched launch is opt-in until it has been validated on more than one GPU machine.
+BATCHED_ENV = "VLLM_FLAGCX_CUDA_BATCHED_COPY"
 
 
 class CudaError(RuntimeError):
@@ -109,7 +112,8 @@ class CudaDriver:
         """Few descriptors: one async memcpy each. Many of one length on row boundaries
         (whole blocks): one gather/scatter launch through torch, when torch is there."""
         self.use_device(ordinal)
-        if dst.size >= BATCH_MIN and _row_copy(ordinal, dst, src, length):
+        batched = os.environ.get(BATCHED_ENV, "0") == "1"
+        if batched and dst.size >= BATCH_MIN and _row_copy(ordinal, dst, src, length):
             return
         stream = self._local.stream
         memcpy = self.lib.cuMemcpyDtoDAsync_v2
