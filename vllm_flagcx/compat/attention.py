@@ -81,7 +81,3 @@ def required_kv_layout_name(is_mla: bool) -> str | None:
     """What ``get_required_kvcache_layout`` should answer: "HND" (accepted on every build,
     an alias of LBHNC on 0.34) for head-sliced transfers, nothing for MLA."""
     return None if is_mla else "HND"
-
-
-def attention_type_decoder() -> Any:
-    return resolve("AttentionType").DECODER

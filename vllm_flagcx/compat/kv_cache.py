@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY, optional, resolve
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
 
 
 class SpecKind(str, enum.Enum):
@@ -175,8 +175,3 @@ def group_facts(kv_cache_config: Any) -> list[GroupFacts]:
 
 def has_mamba_groups(kv_cache_config: Any) -> bool:
     return any(f.kind is SpecKind.MAMBA for f in group_facts(kv_cache_config))
-
-
-def mamba_backend_enum() -> Any | None:
-    """``MambaAttentionBackendEnum`` where the build has it (for doctor output)."""
-    return optional("MambaAttentionBackendEnum")

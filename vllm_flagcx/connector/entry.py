@@ -184,8 +184,10 @@ class FlagCXConnector(PortableConnectorBase):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        from vllm_flagcx.compat.attention import required_kv_layout_name
+
         model = getattr(vllm_config, "model_config", None)
-        return None if getattr(model, "use_mla", False) else "HND"
+        return required_kv_layout_name(is_mla=bool(getattr(model, "use_mla", False)))
 
     # ---------------------------------------------------------------- worker side
     def _make_worker(self, regions: list[Any], host_memory: bool) -> Any:
