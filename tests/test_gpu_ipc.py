@@ -49,24 +49,84 @@ def test_gpu_bytes_land_across_processes(decode_gpu):
     assert not outside.ok and "outside the GPU memory" in outside.error
 
 
-def test_many_whole_block_descriptors_take_the_batched_launch(decode_gpu, monkeypatch):
-    from vllm_flagcx.transport import cuda_ipc
+def _write_and_fetch(decode_gpu, src, s_addr, d_addr, length):
     from vllm_flagcx.transport.local import LocalTransport
 
-    monkeypatch.setenv(cuda_ipc.BATCHED_ENV, "1")
-    conn, desc, d_base, nbytes = decode_gpu
-    block = 4096
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    conn, desc, _, nbytes = decode_gpu
     p = LocalTransport()
     p.register(src.data_ptr(), nbytes)
-    rng = np.random.default_rng(3)
-    n = 3 * cuda_ipc.BATCH_MIN
-    p_ids = rng.permutation(nbytes // block)[:n].astype(np.uint64)
-    d_ids = rng.permutation(nbytes // block)[:n].astype(np.uint64)
-    result = p.write(p.connect(desc), src.data_ptr() + p_ids * block, d_base + d_ids * block,
-                     np.full(n, block, dtype=np.uint64))
+    result = p.write(p.connect(desc), s_addr, d_addr, length)
     assert result.ok, result.error
     conn.send("bytes")
-    got = np.frombuffer(conn.recv(), dtype=np.uint8).reshape(-1, block)
-    want = src.cpu().numpy().reshape(-1, block)
-    np.testing.assert_array_equal(got[d_ids.astype(np.int64)], want[p_ids.astype(np.int64)])
+    return np.frombuffer(conn.recv(), dtype=np.uint8)
+
+
+def _scattered(decode_gpu, n, block, rng):
+    _, _, d_base, nbytes = decode_gpu
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    p_ids = rng.permutation(nbytes // block)[:n].astype(np.uint64)
+    d_ids = rng.permutation(nbytes // block)[:n].astype(np.uint64)
+    return src, src.data_ptr() + p_ids * np.uint64(block), d_base + d_ids * np.uint64(block)
+
+
+def test_many_descriptors_take_the_batched_kernel(decode_gpu):
+    from vllm_flagcx.transport import cuda_ipc
+
+    _, _, d_base, _ = decode_gpu
+    block, n = 4096, 5000
+    src, s_addr, d_addr = _scattered(decode_gpu, n, block, np.random.default_rng(3))
+    got = _write_and_fetch(decode_gpu, src, s_addr, d_addr, np.full(n, block, dtype=np.uint64))
+    want = src.cpu().numpy()
+    s_off = (s_addr - np.uint64(src.data_ptr())).astype(np.int64)
+    d_off = (d_addr - np.uint64(d_base)).astype(np.int64)
+    np.testing.assert_array_equal(got.reshape(-1, block)[d_off // block],
+                                  want.reshape(-1, block)[s_off // block])
+    assert cuda_ipc.driver()._kernels.get(torch.cuda.current_device()) is not None
+
+
+def test_batched_kernel_copies_unaligned_and_uneven_descriptors(decode_gpu):
+    _, _, d_base, _ = decode_gpu
+    rng = np.random.default_rng(5)
+    block, n = 8192, 300
+    src, s_addr, d_addr = _scattered(decode_gpu, n, block, rng)
+    skew = rng.integers(0, 16, n).astype(np.uint64)  # byte-path descriptors
+    skew[::3] = 0  # every third one 16-byte aligned
+    length = rng.integers(1, block - 16, n).astype(np.uint64)
+    length[::3] = length[::3] // 16 * 16 + 16
+    got = _write_and_fetch(decode_gpu, src, s_addr + skew, d_addr + skew, length)
+    want = src.cpu().numpy()
+    for s, d, k in zip((s_addr + skew - np.uint64(src.data_ptr())).tolist(),
+                       (d_addr + skew - np.uint64(d_base)).tolist(), length.tolist(),
+                       strict=True):
+        np.testing.assert_array_equal(got[d:d + k], want[s:s + k])
+
+
+def test_memcpy_path_when_the_kernel_is_switched_off(decode_gpu, monkeypatch):
+    from vllm_flagcx.transport import cuda_ipc
+
+    monkeypatch.setenv(cuda_ipc.BATCHED_ENV, "0")
+    _, _, d_base, _ = decode_gpu
+    block, n = 4096, 100
+    src, s_addr, d_addr = _scattered(decode_gpu, n, block, np.random.default_rng(9))
+    got = _write_and_fetch(decode_gpu, src, s_addr, d_addr, np.full(n, block, dtype=np.uint64))
+    s_off = (s_addr - np.uint64(src.data_ptr())).astype(np.int64) // block
+    d_off = (d_addr - np.uint64(d_base)).astype(np.int64) // block
+    np.testing.assert_array_equal(got.reshape(-1, block)[d_off],
+                                  src.cpu().numpy().reshape(-1, block)[s_off])
+
+
+def test_integrity_checksum_reads_device_memory():
+    import zlib
+
+    from vllm_flagcx.connector import integrity
+
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    read = integrity.reader(host_memory=False)
+    assert read is not None
+    ranges = [(data.data_ptr() + 1000, 64), (data.data_ptr() + (1 << 19), 17)]
+    host = data.cpu().numpy()
+    want = zlib.crc32(host[1000:1064].tobytes())
+    want = zlib.crc32(host[1 << 19:(1 << 19) + 17].tobytes(), want)
+    assert integrity.checksum(ranges, read) == want
+    data[1000 + 63] ^= 1
+    assert integrity.checksum(ranges, read) != want

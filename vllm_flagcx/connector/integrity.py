@@ -5,16 +5,20 @@ the transport is not proof. Prefill picks up to ``max_samples`` descriptors spre
 the plan, checksums the last ``sample_bytes`` of each in its SOURCE memory, and sends the
 destination ranges with the checksum in the pull reply; decode checksums the same ranges
 of its own memory after the reply. The tail of a descriptor is what a lost slice misses
-first. Cost: a few KiB read per request. Host memory only (device memory would need a copy
-kernel): decode skips the check for device caches and says so once.
+first. Cost: a few KiB read per request. Device memory is read through the CUDA driver
+(16 small device-to-host copies); where no CUDA driver is (other vendors' device memory)
+the check is skipped, and decode says so once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import zlib
+from collections.abc import Callable
 
 import numpy as np
+
+Reader = Callable[[int, int], bytes]
 
 SAMPLE_BYTES = 64
 MAX_SAMPLES = 16
@@ -34,9 +38,24 @@ def sample_ranges(src: np.ndarray, dst: np.ndarray, length: np.ndarray,
             [(int(e - k), int(k)) for e, k in zip(end_dst, n, strict=True)])
 
 
-def checksum(ranges: list[tuple[int, int]]) -> int:
-    """crc32 over host memory ranges, in order."""
+def read_host(address: int, size: int) -> bytes:
+    return ctypes.string_at(address, size)
+
+
+def reader(host_memory: bool) -> Reader | None:
+    """How to read the KV caches' bytes: host memory directly, device memory through the
+    CUDA driver; None when neither is possible (the check is then skipped)."""
+    if host_memory:
+        return read_host
+    from vllm_flagcx.transport import cuda_ipc
+
+    cuda = cuda_ipc.driver()
+    return cuda.read if cuda is not None else None
+
+
+def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
+    """crc32 over memory ranges, in order."""
     crc = 0
     for address, size in ranges:
-        crc = zlib.crc32(ctypes.string_at(address, size), crc)
+        crc = zlib.crc32(read(address, size), crc)
     return crc

@@ -53,8 +53,8 @@ class WorkerSettings:
     lease_seconds: float = 30.0
     skip_compat_hash: bool = False
     peer_ttl: float = 300.0  # re-handshake a cached prefill after this long (restarts)
-    verify_integrity: bool = True  # checksum a sample of every transfer (host memory)
-    host_memory: bool = True  # the KV caches are host memory (readable for the check)
+    verify_integrity: bool = True  # checksum a sample of every transfer
+    host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
 
 
@@ -177,6 +177,8 @@ class WorkerHalf:
         self._pending_invalid: set[int] = set()
         self.failed_last_step: set[str] = set()
         self._zmq = None
+        self._read_kv = (integrity.reader(settings.host_memory)
+                         if settings.verify_integrity else None)
 
     # ---------------------------------------------------------------- registration
     def register_regions(self, regions: list[Region], serve: bool,
@@ -299,7 +301,7 @@ class WorkerHalf:
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {error}")
                 return
             if reply.sample and self._integrity_checked():
-                got = integrity.checksum(list(reply.sample))
+                got = integrity.checksum(list(reply.sample), self._read_kv)
                 if got != reply.sample_crc:
                     self.stats["integrity_failures"] += 1
                     self._fail_after_release(task, flat, (
@@ -317,9 +319,10 @@ class WorkerHalf:
     def _integrity_checked(self) -> bool:
         if not self.settings.verify_integrity:
             return False
-        if not self.settings.host_memory:
+        if self._read_kv is None:
             if not self.stats.get("integrity_skipped_device"):
-                logger.info("FlagCX integrity check skipped: KV caches are device memory")
+                logger.info("FlagCX integrity check skipped: device memory that the CUDA "
+                            "driver cannot read")
             self.stats["integrity_skipped_device"] = 1
             return False
         return True
@@ -468,9 +471,9 @@ class WorkerHalf:
             self.stats["send_seconds"] += time.monotonic() - started
         self._finish_pull(armed, pull, failed=False)
         sample, crc = (), 0
-        if self.settings.verify_integrity and self.settings.host_memory:
+        if self.settings.verify_integrity and self._read_kv is not None:
             src_ranges, dst_ranges = integrity.sample_ranges(plan.src, plan.dst, plan.length)
-            sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges)
+            sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges, self._read_kv)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc)
 

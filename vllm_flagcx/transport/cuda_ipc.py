@@ -4,28 +4,32 @@ Loaded lazily (``libcuda.so.1``) and only for device pointers, so host-only mach
 touch it. A registered device range is exported once per allocation base
 (``cuIpcGetMemHandle``); a peer opens each handle once (``cuIpcOpenMemHandle``) and
 translates addresses into its mapping. Few descriptors go as asynchronous device-to-device
-memcpys on one stream; many equal-length whole-row descriptors as one gather/scatter launch;
-both are synchronised before success is reported.
+memcpys on one stream, many as one batched kernel launch (``cuda_kernel``); both are
+synchronised before success is reported.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import threading
 from typing import Any
 
 import numpy as np
 
+from vllm_flagcx.transport import cuda_kernel
+
+logger = logging.getLogger(__name__)
+
 CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 CU_MEMORYTYPE_DEVICE = 2
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 IPC_HANDLE_BYTES = 64
-BATCH_MIN = 64  # from this many descriptors on, try one batched launch
-# The batched launch is opt-in until it has been validated on more than one GPU machine.
-BATCHED_ENV = "VLLM_FLAGCX_CUDA_BATCHED_COPY"
+BATCH_MIN = 8  # from this many descriptors on, one batched kernel launch
+BATCHED_ENV = "VLLM_FLAGCX_CUDA_BATCHED_COPY"  # "0": one memcpy per descriptor
 
 
 class CudaError(RuntimeError):
@@ -43,6 +47,7 @@ class CudaDriver:
         self._check(self.lib.cuInit(0), "cuInit")
         self._local = threading.local()
         self._opened: dict[bytes, int] = {}
+        self._kernels: dict[int, cuda_kernel.BatchedCopy | None] = {}
         self._lock = threading.Lock()
 
     def _check(self, rc: int, what: str) -> None:
@@ -109,55 +114,44 @@ class CudaDriver:
 
     def copy_batch(self, ordinal: int, dst: np.ndarray, src: np.ndarray,
                    length: np.ndarray) -> None:
-        """Few descriptors: one async memcpy each. Many of one length on row boundaries
-        (whole blocks): one gather/scatter launch through torch, when torch is there."""
+        """Few descriptors: one async memcpy each (the copy engines run a single large copy
+        at full rate). From ``BATCH_MIN`` descriptors on: one batched kernel launch."""
         self.use_device(ordinal)
-        batched = os.environ.get(BATCHED_ENV, "0") == "1"
-        if batched and dst.size >= BATCH_MIN and _row_copy(ordinal, dst, src, length):
-            return
         stream = self._local.stream
-        memcpy = self.lib.cuMemcpyDtoDAsync_v2
-        for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
-            rc = memcpy(ctypes.c_uint64(d), ctypes.c_uint64(s), ctypes.c_size_t(n), stream)
-            if rc != 0:
-                self._check(rc, "cuMemcpyDtoDAsync")
+        kernel = self._kernel(ordinal) if dst.size >= BATCH_MIN else None
+        if kernel is not None:
+            kernel.run(stream, dst, src, length)
+        else:
+            memcpy = self.lib.cuMemcpyDtoDAsync_v2
+            for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist(), strict=True):
+                rc = memcpy(ctypes.c_uint64(d), ctypes.c_uint64(s), ctypes.c_size_t(n), stream)
+                if rc != 0:
+                    self._check(rc, "cuMemcpyDtoDAsync")
         self._check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
+    def _kernel(self, ordinal: int) -> cuda_kernel.BatchedCopy | None:
+        """The device's batched-copy kernel, built once; None when switched off or NVRTC is
+        missing (logged once, then one memcpy per descriptor)."""
+        if os.environ.get(BATCHED_ENV, "1") == "0":
+            return None
+        with self._lock:
+            if ordinal not in self._kernels:
+                try:
+                    self._kernels[ordinal] = cuda_kernel.BatchedCopy(self.lib, self._check,
+                                                                     ordinal)
+                except (cuda_kernel.KernelUnavailable, CudaError, OSError) as exc:
+                    logger.warning("FlagCX CUDA IPC: batched copy kernel unavailable (%s); "
+                                   "copying one descriptor at a time", exc)
+                    self._kernels[ordinal] = None
+            return self._kernels[ordinal]
 
-class _RawDeviceBytes:
-    """A device byte range as a ``__cuda_array_interface__`` (torch wraps it, no copy)."""
-
-    def __init__(self, address: int, size: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
-                                         "data": (address, False), "version": 3}
-
-
-def _row_copy(ordinal: int, dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> bool:
-    """dst_rows[j] = src_rows[i] in one launch, when every descriptor is one L-byte row of
-    both sides. Returns False (caller falls back to memcpys) when the shape does not fit."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    row = int(length[0])
-    if row <= 0 or not (length == row).all():
-        return False
-    s0, d0 = int(src.min()), int(dst.min())
-    s_off, d_off = src.astype(np.int64) - s0, dst.astype(np.int64) - d0
-    if (s_off % row).any() or (d_off % row).any():
-        return False
-    s_rows, d_rows = s_off // row, d_off // row
-    device = torch.device("cuda", ordinal)
-    with torch.cuda.device(device):
-        src_t = torch.as_tensor(_RawDeviceBytes(s0, (int(s_rows.max()) + 1) * row),
-                                device=device).view(-1, row)
-        dst_t = torch.as_tensor(_RawDeviceBytes(d0, (int(d_rows.max()) + 1) * row),
-                                device=device).view(-1, row)
-        s_idx = torch.from_numpy(s_rows).to(device, non_blocking=True)
-        d_idx = torch.from_numpy(d_rows).to(device, non_blocking=True)
-        dst_t.index_copy_(0, d_idx, src_t.index_select(0, s_idx))
-        torch.cuda.current_stream(device).synchronize()
-    return True
+    def read(self, address: int, size: int) -> bytes:
+        """``size`` bytes of device memory at ``address`` (a small synchronous copy)."""
+        self.use_device(self.device_of(address))
+        out = ctypes.create_string_buffer(size)
+        self._check(self.lib.cuMemcpyDtoH_v2(out, ctypes.c_uint64(address),
+                                             ctypes.c_size_t(size)), "cuMemcpyDtoH")
+        return out.raw
 
 
 @functools.lru_cache(maxsize=1)

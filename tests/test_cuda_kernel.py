@@ -1,0 +1,56 @@
+"""The batched GPU copy's pure parts (launch shape, NVRTC lookup) and the integrity
+check's memory readers; the kernel itself runs in ``test_gpu_ipc.py`` on a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+
+import numpy as np
+import pytest
+
+from vllm_flagcx.connector import integrity
+from vllm_flagcx.transport import cuda_kernel
+
+
+def test_few_large_descriptors_are_split_across_blocks():
+    assert cuda_kernel.launch_shape(140, 1_274_000) == (39, 140)  # 32 KiB per block
+    assert cuda_kernel.launch_shape(4, 64 << 20) == (cuda_kernel.MAX_SPLIT, 4)
+    per_block = cuda_kernel.THREADS * cuda_kernel.WORDS_PER_THREAD * 16
+    split, _ = cuda_kernel.launch_shape(10, 3 * per_block)
+    assert split == 3
+
+
+def test_many_small_descriptors_get_one_block_each_up_to_the_grid_limit():
+    assert cuda_kernel.launch_shape(20_910, 8_528) == (1, 20_910)
+    assert cuda_kernel.launch_shape(10**6, 512) == (1, cuda_kernel.MAX_GRID_Y)
+
+
+def test_missing_nvrtc_is_named(monkeypatch):
+    monkeypatch.setattr(cuda_kernel, "_nvrtc_candidates", lambda: ["/nonexistent/libnvrtc.so"])
+    with pytest.raises(cuda_kernel.KernelUnavailable, match="NVRTC"):
+        cuda_kernel.load_nvrtc()
+
+
+def test_host_reader_checksums_host_memory():
+    data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    read = integrity.reader(host_memory=True)
+    address = data.ctypes.data
+    ranges = [(address + 100, 64), (address + 4000, 50)]
+    want = zlib.crc32(data[4000:4050].tobytes(), zlib.crc32(data[100:164].tobytes()))
+    assert integrity.checksum(ranges, read) == want
+    data[4049] ^= 0xFF
+    assert integrity.checksum(ranges, read) != want
+
+
+def test_checksum_goes_through_the_given_reader():
+    seen = []
+
+    def reader(address: int, size: int) -> bytes:
+        seen.append((address, size))
+        return ctypes.string_at(ctypes.addressof(buf) + address, size)
+
+    buf = (ctypes.c_ubyte * 256)(*range(256))
+    assert integrity.checksum([(10, 4), (200, 8)], reader) == zlib.crc32(
+        bytes(range(200, 208)), zlib.crc32(bytes(range(10, 14))))
+    assert seen == [(10, 4), (200, 8)]
