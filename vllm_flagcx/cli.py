@@ -6,6 +6,8 @@ import sys
 
 _COMMANDS = {
     "doctor": ("vllm_flagcx.doctor", "report the installed vLLM's capabilities"),
+    "router": ("vllm_flagcx.router.cli", "the xPyD proxy in front of prefill/decode servers"),
+    "demo": ("vllm_flagcx.demo.run", "prefill + decode + router on this machine, end to end"),
 }
 
 

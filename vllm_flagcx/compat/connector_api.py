@@ -163,6 +163,8 @@ PROM_COUNTERS = {
     "send_descriptors": ("vllm:flagcx_sent_descriptors", "Descriptors in FlagCX writes"),
     "send_seconds": ("vllm:flagcx_send_seconds", "Seconds spent in FlagCX writes"),
     "recv_requests": ("vllm:flagcx_received_requests", "Requests whose KV arrived"),
+    "recv_bytes": ("vllm:flagcx_received_bytes", "Bytes of KV that arrived at decode"),
+    "recv_seconds": ("vllm:flagcx_receive_seconds", "Seconds decode waited for KV to land"),
     "expired_leases": ("vllm:flagcx_expired_leases", "Prefill leases that expired unpulled"),
     "failures_handshake": ("vllm:flagcx_failures_handshake", "Handshake failures"),
     "failures_recv": ("vllm:flagcx_failures_recv", "Failed receives"),

@@ -18,6 +18,18 @@ CONNECTOR_MODULE = "vllm_flagcx.connector"
 logger = logging.getLogger("vllm_flagcx")
 
 
+def adopt_vllm_logging() -> None:
+    """Give the ``vllm_flagcx`` logger vLLM's handlers and level, once, so the connector's
+    lines (failures above all) appear in vLLM's log in vLLM's format. vLLM configures only
+    its own ``vllm`` logger; without this, INFO lines are dropped."""
+    ours, theirs = logging.getLogger("vllm_flagcx"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+
+
 def register() -> bool:
     """Register the connector name; False (and a log line) when it is already registered."""
     factory = resolve("KVConnectorFactory")

@@ -31,6 +31,7 @@ from vllm_flagcx.compat.connector_api import (
     role_is_scheduler,
     transfer_results,
 )
+from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.connector.scheduler import (
     FlagCXMetadataPayload,
     SchedulerHalf,
@@ -132,6 +133,7 @@ class FlagCXConnector(PortableConnectorBase):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()
         require_hma_for_mamba(vllm_config, kv_cache_config)
         require_hybrid_async_load(bool(vllm_config.kv_transfer_config.is_kv_consumer),
                                   kv_cache_config)

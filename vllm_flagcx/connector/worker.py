@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_flagcx.connector import client, integrity, plans
 from vllm_flagcx.connector import handshake as hs
-from vllm_flagcx.connector import integrity, plans
 from vllm_flagcx.connector.regions import Region, Section, unique_storages
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload, RecvTask, SendTask
 from vllm_flagcx.transport.base import Transport
@@ -232,29 +232,12 @@ class WorkerHalf:
         self._pull_threads = [t for t in self._pull_threads if t.is_alive()] + [thread]
 
     # ---------------------------------------------------------------- decode side
-    def _socket(self, host: str, port: int, timeout: float) -> Any:
+    def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
         import zmq
 
         if self._zmq is None:
             self._zmq = zmq.Context()
-        sock = self._zmq.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
-        sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
-        sock.connect(f"tcp://{host}:{port}")
-        return sock
-
-    def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
-        import zmq
-
-        sock = self._socket(host, port, timeout)
-        try:
-            sock.send(hs.encode(message))
-            return hs.decode(sock.recv())
-        except zmq.error.Again as exc:
-            raise TimeoutError(f"no answer from {host}:{port} within {timeout:.1f} s") from exc
-        finally:
-            sock.close()
+        return client.ask(self._zmq, host, port, message, timeout)
 
     def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
         key = (host, port)

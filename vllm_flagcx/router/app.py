@@ -1,0 +1,126 @@
+"""The router's HTTP surface: OpenAI completions and chat completions (streamed or not),
+``/v1/models`` and ``/health`` passed through, ``/stats`` of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_flagcx.router.proxy import LegError, Proxy
+
+DISCONNECT_POLL_S = 0.2
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _or_disconnect(request: Request, work: Any) -> Any:
+    """Run ``work`` unless the client goes away first (then cancel it: both legs close,
+    vLLM aborts them, what prefill holds is released). Returns None on disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, LegError):
+        await task
+    return None
+
+
+def _error(exc: LegError) -> JSONResponse:
+    status = exc.status if 400 <= exc.status < 600 else 502
+    return JSONResponse(exc.body(), status_code=status)
+
+
+def build_app(proxy: Proxy) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await proxy.client.aclose()
+
+    app = FastAPI(title="vllm-flagcx router", lifespan=lifespan)
+    started = time.time()
+
+    async def _route(path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": {"message": "request body must be JSON",
+                                           "type": "invalid_request_error"}}, 400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "request body must be a JSON object",
+                                           "type": "invalid_request_error"}}, 400)
+        try:
+            flow = await _or_disconnect(request, proxy.start(path, body))
+        except LegError as exc:
+            return _error(exc)
+        if flow is None:
+            return Response(status_code=499)
+        if body.get("stream"):
+            return StreamingResponse(flow.stream(), media_type="text/event-stream")
+        try:
+            result = await _or_disconnect(request, flow.json())
+        except LegError as exc:
+            return _error(exc)
+        if result is None:
+            proxy.counters["client_disconnects"] += 1
+            await flow.close()
+            return Response(status_code=499)
+        status, data = result
+        return JSONResponse(data, status_code=status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _route("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _route("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        instance = proxy.decode.pick()
+        try:
+            r = await proxy.client.get(instance.url + "/v1/models",
+                                       timeout=proxy.settings.connect_timeout)
+        except httpx.HTTPError as exc:
+            return _error(LegError(502, "decode", instance.url, f"unreachable: {exc!r}"))
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        async def probe(url: str) -> str:
+            try:
+                r = await proxy.client.get(url + "/health",
+                                           timeout=proxy.settings.connect_timeout)
+                return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                return f"unreachable ({type(exc).__name__})"
+
+        instances = proxy.prefill.instances + proxy.decode.instances
+        states = await asyncio.gather(*(probe(i.url) for i in instances))
+        report = {f"{i.role} {i.url}": s for i, s in zip(instances, states, strict=True)}
+        healthy = all(s == "ok" for s in states)
+        return JSONResponse(report, status_code=200 if healthy else 503)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return {"uptime_s": round(time.time() - started, 1), "mode": proxy.settings.mode,
+                "counters": dict(proxy.counters),
+                "prefill": [i.snapshot() for i in proxy.prefill.instances],
+                "decode": [i.snapshot() for i in proxy.decode.instances]}
+
+    return app

@@ -1,0 +1,66 @@
+"""``vllm-flagcx router``: the xPyD proxy in front of prefill and decode vLLM servers.
+
+    vllm-flagcx router --host 127.0.0.1 --port 8000 \\
+        --prefill http://10.0.27.1:20001 8998 --decode http://10.0.27.10:20002
+
+``--prefill`` and ``--decode`` repeat for several instances (least-loaded choice); the
+optional number after a prefill URL is its connector's side-channel port (needed only by
+``--mode concurrent``; sequential mode uses the port prefill returns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from vllm_flagcx.router.pool import Pool, RouterConfigError, parse_instance
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-flagcx router", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", nargs="+", action="append", default=[],
+                   metavar="URL [SIDE_CHANNEL_PORT]")
+    p.add_argument("--decode", nargs="+", action="append", default=[], metavar="URL")
+    p.add_argument("--mode", default="sequential", choices=("sequential", "concurrent"))
+    p.add_argument("--connect-timeout", type=float, default=10.0)
+    p.add_argument("--prefill-timeout", type=float, default=600.0)
+    p.add_argument("--decode-timeout", type=float, default=600.0,
+                   help="longest silence inside the decode answer, seconds")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def build(args: argparse.Namespace):
+    """The FastAPI app for parsed arguments (RouterConfigError names a bad flag)."""
+    from vllm_flagcx.router.app import build_app
+    from vllm_flagcx.router.proxy import Proxy, RouterSettings
+
+    prefill = Pool("prefill", [parse_instance(s, "prefill") for s in args.prefill])
+    decode = Pool("decode", [parse_instance(s, "decode") for s in args.decode])
+    if any(i.side_channel_port is not None for i in decode.instances):
+        raise RouterConfigError("--decode takes only a URL")
+    settings = RouterSettings(mode=args.mode, connect_timeout=args.connect_timeout,
+                              prefill_timeout=args.prefill_timeout,
+                              decode_timeout=args.decode_timeout)
+    return build_app(Proxy(prefill, decode, settings))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        app = build(args)
+    except RouterConfigError as exc:
+        print(f"vllm-flagcx router: {exc}")
+        return 2
+    except ImportError as exc:
+        print(f"vllm-flagcx router needs fastapi, uvicorn and httpx ({exc}); "
+              "pip install 'vllm-flagcx[router]'")
+        return 2
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
