@@ -94,3 +94,8 @@ def build_for_version(raw: str) -> Build | None:
 
 def tox_settings() -> dict[str, Any]:
     return dict(load()["tox"])
+
+
+def e2e_settings() -> dict[str, Any]:
+    """The real-engine env: which build, which distribution, its requirements, its tests."""
+    return dict(load()["e2e"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from vllm_flagcx.compat.moved import MOVED_NAMES
 from vllm_flagcx.compat.probe import FEATURES
-from vllm_flagcx.matrix import build_by_env, build_for_version, builds, render
+from vllm_flagcx.matrix import build_by_env, build_for_version, builds, e2e_settings, render
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,6 +22,11 @@ def test_tox_envs_equal_matrix_builds():
     tox.read(REPO / "tox.ini")
     env_list = [e.strip() for e in tox["tox"]["env_list"].split(",")]
     assert env_list == ["lint", *[b.env for b in builds()]]
+    e2e = e2e_settings()
+    for env in ("e2e", "demo"):
+        section = tox[f"testenv:{env}"]
+        assert e2e["dist"] in section["commands_pre"]
+        assert e2e["requirements"] in section["commands_pre"]
     for build in builds():
         section = tox[f"testenv:{build.env}"]
         assert f"VLLM_FLAGCX_INSTALL = {build.install}" in section["set_env"]

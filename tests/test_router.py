@@ -59,7 +59,7 @@ def test_streaming_passes_sse_through():
 
 def test_prefill_http_error_reaches_the_client_and_decode_is_not_asked():
     with rs.upstream("prefill", status=500) as p, rs.upstream("decode") as d, \
-            router([p], [d]) as (url, proxy):
+            router([p], [d]) as (url, _):
         r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
         stats = httpx.get(url + "/stats").json()
     assert r.status_code == 500

@@ -18,7 +18,9 @@ Protocol (P pushes, D initiates; the cross-engine key is the router-minted trans
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -56,6 +58,20 @@ class WorkerSettings:
     verify_integrity: bool = True  # checksum a sample of every transfer
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
+
+
+def unpin_this_thread() -> None:
+    """Let this side-channel thread run on any CPU of the machine.
+
+    vLLM's CPU worker pins its main thread (and so every thread it starts later) to one
+    core shared with its OpenMP compute threads; a side-channel thread there starved for
+    seconds behind busy engines (handshakes timed out). Best effort: a cgroup may forbid
+    it, and then the thread keeps the worker's affinity.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -227,7 +243,11 @@ class WorkerHalf:
         return invalid
 
     def _spawn(self, fn: Any, *args: Any) -> None:
-        thread = threading.Thread(target=fn, args=args, daemon=True, name="flagcx-pull")
+        def run() -> None:
+            unpin_this_thread()
+            fn(*args)
+
+        thread = threading.Thread(target=run, daemon=True, name="flagcx-pull")
         thread.start()
         self._pull_threads = [t for t in self._pull_threads if t.is_alive()] + [thread]
 
@@ -354,6 +374,7 @@ class WorkerHalf:
     def _serve(self, sock: Any) -> None:
         import zmq
 
+        unpin_this_thread()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         try:

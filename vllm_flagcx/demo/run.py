@@ -48,9 +48,10 @@ def metric(url: str, name: str) -> float:
     return total
 
 
-def sent(prefill: sv.Server) -> tuple[float, float]:
-    return (metric(prefill.url, "vllm:flagcx_sent_bytes_total"),
-            metric(prefill.url, "vllm:flagcx_send_seconds_total"))
+def received(decode: sv.Server) -> tuple[float, float]:
+    """Decode's KV counters (they advance with decode's steps, which a request drives)."""
+    return (metric(decode.url, "vllm:flagcx_received_bytes_total"),
+            metric(decode.url, "vllm:flagcx_receive_seconds_total"))
 
 
 def completion(url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
@@ -62,11 +63,11 @@ def completion(url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
     return body["choices"][0]["text"], time.monotonic() - started
 
 
-def transfer_after(prefill: sv.Server, before: tuple[float, float]) -> tuple[float, float]:
-    """(bytes, seconds) prefill wrote since ``before`` (its counters update each step)."""
-    deadline = time.monotonic() + 5
+def transfer_after(decode: sv.Server, before: tuple[float, float]) -> tuple[float, float]:
+    """(bytes, seconds) that arrived at decode since ``before``."""
+    deadline = time.monotonic() + 3
     while True:
-        now = sent(prefill)
+        now = received(decode)
         if now[0] > before[0] or time.monotonic() > deadline:
             return now[0] - before[0], now[1] - before[1]
         time.sleep(0.2)
@@ -129,15 +130,16 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
               .ljust(150), flush=True)
         with sv.running([router]):
             sv.wait_healthy([router], 60)
-            return _exchange(args, prefill, router)
+            return _exchange(args, prefill, decode, router)
 
 
-def _exchange(args: argparse.Namespace, prefill: sv.Server, router: sv.Server) -> int:
+def _exchange(args: argparse.Namespace, prefill: sv.Server, decode: sv.Server,
+              router: sv.Server) -> int:
     rows, same_all = [], True
     for prompt in PROMPTS:
-        before = sent(prefill)
+        before = received(decode)
         pd_text, pd_s = completion(router.url, prompt, args.max_tokens)
-        moved, seconds = transfer_after(prefill, before)
+        moved, seconds = transfer_after(decode, before)
         mono_text, _ = completion(prefill.url, prompt, args.max_tokens)
         same = pd_text == mono_text
         same_all &= same
