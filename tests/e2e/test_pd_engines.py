@@ -34,16 +34,9 @@ class Deployment:
     def __init__(self, workdir) -> None:
         model = demo_model.write_model(workdir / "model", "sliding")
         self.side = rs.free_port()
-        python = sys.executable
-        self.prefill = sv.vllm_server("prefill", python, model, rs.free_port(),
-                                      workdir / "prefill.log",
-                                      demo_run.kv_config("kv_producer", self.side),
-                                      ["--no-enable-prefix-caching"])
-        self.decode = sv.vllm_server("decode", python, model, rs.free_port(),
-                                     workdir / "decode.log",
-                                     demo_run.kv_config("kv_consumer", self.side))
-        self.router = sv.router_server(python, rs.free_port(), workdir / "router.log",
-                                       [self.prefill], [self.decode], self.side)
+        self.prefill, self.decode, self.router = demo_run.deployment(
+            sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
+            self.side)
         self.model = model
 
     def restart(self, server: sv.Server) -> None:

@@ -73,6 +73,21 @@ def transfer_after(decode: sv.Server, before: tuple[float, float]) -> tuple[floa
         time.sleep(0.2)
 
 
+def deployment(python: str, model: Path, workdir: Path, router_port: int, prefill_port: int,
+               decode_port: int, side_channel_port: int
+               ) -> tuple[sv.Server, sv.Server, sv.Server]:
+    """(prefill, decode, router) servers, not started. Prefix caching is off on prefill so
+    its monolithic answers never reuse KV from an earlier transfer."""
+    prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
+                             kv_config("kv_producer", side_channel_port),
+                             ["--no-enable-prefix-caching"])
+    decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
+                            kv_config("kv_consumer", side_channel_port))
+    router = sv.router_server(python, router_port, workdir / "router.log", [prefill],
+                              [decode], side_channel_port)
+    return prefill, decode, router
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-flagcx demo", description=__doc__.split("\n")[0])
     p.add_argument("--model-kind", default="sliding", choices=("sliding", "dense"))
@@ -116,14 +131,9 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     print(f"vllm-flagcx demo: vLLM {installed_version_string()}, model kind {args.model_kind},"
           f" logs in {workdir}", flush=True)
     model = demo_model.write_model(workdir / f"model-{args.model_kind}", args.model_kind)
-    side = args.base_port + 50
-    prefill = sv.vllm_server("prefill", python, model, args.base_port + 1,
-                             workdir / "prefill.log", kv_config("kv_producer", side),
-                             ["--no-enable-prefix-caching"])
-    decode = sv.vllm_server("decode", python, model, args.base_port + 2,
-                            workdir / "decode.log", kv_config("kv_consumer", side))
-    router = sv.router_server(python, args.base_port, workdir / "router.log", [prefill],
-                              [decode], side)
+    prefill, decode, router = deployment(python, model, workdir, args.base_port,
+                                         args.base_port + 1, args.base_port + 2,
+                                         args.base_port + 50)
     with sv.running([prefill, decode]):
         took = sv.wait_healthy([prefill, decode], args.start_timeout, _progress)
         print(f"\rprefill {prefill.url} and decode {decode.url} ready in {took:.0f} s"
