@@ -77,12 +77,14 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
                decode_port: int, side_channel_port: int
                ) -> tuple[sv.Server, sv.Server, sv.Server]:
     """(prefill, decode, router) servers, not started. Prefix caching is off on prefill so
-    its monolithic answers never reuse KV from an earlier transfer."""
+    its monolithic answers never reuse KV from an earlier transfer. Each engine gets its own
+    half of the machine's CPUs (``servers.split_cpus``)."""
+    prefill_cpus, decode_cpus = sv.split_cpus(2)
     prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
                              kv_config("kv_producer", side_channel_port),
-                             ["--no-enable-prefix-caching"])
+                             ["--no-enable-prefix-caching"], cpus=prefill_cpus)
     decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
-                            kv_config("kv_consumer", side_channel_port))
+                            kv_config("kv_consumer", side_channel_port), cpus=decode_cpus)
     router = sv.router_server(python, router_port, workdir / "router.log", [prefill],
                               [decode], side_channel_port)
     return prefill, decode, router

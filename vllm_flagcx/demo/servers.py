@@ -86,11 +86,29 @@ class Server:
             self.proc.wait(10)
 
 
+def split_cpus(parts: int, cpus: list[int] | None = None) -> list[str]:
+    """Disjoint CPU lists (``VLLM_CPU_OMP_THREADS_BIND`` syntax), one per co-located engine.
+
+    vLLM's CPU worker binds its main thread and OpenMP threads as if it owned the machine:
+    two engines on one host both take the same core. On a 2-core machine that core then
+    ran both workers' busy loops, and the prefill side channel starved behind them for
+    seconds to a minute (decode's handshakes and pulls timed out). Giving each instance
+    its own cores, as an operator does on a shared host, removes the contention.
+    """
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < parts:
+        return ["nobind"] * parts
+    size = len(cpus) // parts
+    return [",".join(str(c) for c in cpus[i * size:(i + 1) * size]) for i in range(parts)]
+
+
 def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
-                kv_config: dict[str, Any] | None, extra: list[str] | None = None) -> Server:
+                kv_config: dict[str, Any] | None, extra: list[str] | None = None,
+                cpus: str = "auto") -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; also
     works where the ``vllm`` console script cannot read its own dist metadata, as in the
-    ``vllm-cpu`` distribution)."""
+    ``vllm-cpu`` distribution). ``cpus``: the engine's CPU list (``split_cpus``)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "demo", "--seed", "0",
             "--host", HOST, "--port", str(port), "--max-model-len", "1024",
@@ -99,7 +117,7 @@ def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus}
     return Server(name, argv, port, log, env)
 
 
