@@ -250,3 +250,51 @@ def test_region_validation():
                                        block_stride=16, num_blocks=1, heads=2,
                                        global_heads=2, head_bytes=8)
     assert regions.unique_storages([(0, 10), (5, 10), (100, 4)]) == [(0, 15), (100, 4)]
+
+
+# ------------------------------------------------------------------ plan tables
+
+
+def _two_group_regions(base: int, ratio: int, num_blocks: int = 32) -> list[regions.Region]:
+    """Group 0: packed attention paged in ``ratio`` kernel blocks per logical block;
+    group 1: one MLA-like whole-page region (synthetic addresses: plans only)."""
+    page = 4096
+    return (regions.attention_packed_kv(layer="a", group=0, kind="full_attention", base=base,
+                                        block_stride=page // ratio,
+                                        num_blocks=num_blocks * ratio, heads=1,
+                                        global_heads=1, head_bytes=page // ratio)
+            + regions.mla(layer="m", group=1, base=base + (1 << 24), block_stride=page,
+                          num_blocks=num_blocks, page_bytes=page))
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_table_folds_kernel_blocks_into_the_expanded_plan(ratio):
+    """A kernel ratio on whole-block regions scales stride and length instead of
+    expanding ids; the descriptors must be exactly those of the explicit expansion."""
+    p_side, d_side = _two_group_regions(1 << 30, ratio), _two_group_regions(1 << 34, ratio)
+    table = plans.build_table(p_side, d_side, RankPair(0, 1, 0, 1))
+    assert table.whole_blocks == (True, True)
+    p_ids, d_ids = [[5, 6, 7, 20], [3]], [[1, 2, 9, 10], [4]]
+    folded = table.plan(p_ids, d_ids, kernel_ratios=[ratio, 1])
+    expanded = table.plan_kernel_ids(
+        [plans.expand_to_kernel_blocks(p_ids[0], ratio), np.asarray(p_ids[1])],
+        [plans.expand_to_kernel_blocks(d_ids[0], ratio), np.asarray(d_ids[1])])
+    for got, want in zip((folded.src, folded.dst, folded.length),
+                         (expanded.src, expanded.dst, expanded.length), strict=True):
+        np.testing.assert_array_equal(got, want)
+    # Contiguous runs on both sides coalesce (5,6,7 -> 1,2 ends where 9 starts).
+    assert folded.num_descriptors == 4 and folded.num_bytes == 5 * 4096
+    assert folded.src[0] == (1 << 30) + 5 * 4096 and folded.length[0] == 2 * 4096
+
+
+def test_table_range_checks_name_the_group():
+    table = plans.build_table(_two_group_regions(1 << 30, 2), _two_group_regions(1 << 34, 2),
+                              RankPair(0, 1, 0, 1))
+    with pytest.raises(PlanError, match=r"receiver block id out of range 0\.\.31 in KV cache "
+                                         r"group 1"):
+        table.plan([[1], [2]], [[1], [32]], kernel_ratios=[2, 1])
+    with pytest.raises(PlanError, match=r"sender block id out of range 0\.\.31 in KV cache "
+                                         r"group 0"):
+        table.plan([[32], [2]], [[1], [3]], kernel_ratios=[2, 1])
+    with pytest.raises(PlanError, match="3 KV cache groups"):
+        table.plan([[1], [2], [3]], [[1], [2], [3]])

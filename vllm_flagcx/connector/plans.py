@@ -154,30 +154,141 @@ def block_segments(sender: Region, receiver: Region, pair: RankPair
 
 def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> TransferPlan:
     """Merge descriptors that continue each other on both sides (order preserved)."""
-    if src.size <= 1:
-        return TransferPlan(src.astype(_U64), dst.astype(_U64), length.astype(_U64))
-    follows = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:])
-    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
-    return TransferPlan(src[starts].astype(_U64), dst[starts].astype(_U64),
-                        np.add.reduceat(length, starts).astype(_U64))
+    src, dst, length = (np.asarray(a).astype(np.int64, copy=False) for a in (src, dst, length))
+    if src.size > 1:
+        end = src[:-1] + length[:-1]
+        follows = end == src[1:]
+        np.add(dst[:-1], length[:-1], out=end)
+        follows &= end == dst[1:]
+        if follows.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+            src, dst, length = src[starts], dst[starts], np.add.reduceat(length, starts)
+    return TransferPlan(src.view(_U64), dst.view(_U64), length.view(_U64))
 
 
-def plan_region(sender: Region, receiver: Region, sender_ids: np.ndarray,
-                receiver_ids: np.ndarray, pair: RankPair) -> TransferPlan:
-    """Descriptors for one region over paired block ids (ids in the region's block units)."""
-    segs = block_segments(sender, receiver, pair)
-    if not segs or sender_ids.size == 0:
-        return TransferPlan.empty()
-    for ids, region, side in ((sender_ids, sender, "sender"), (receiver_ids, receiver,
-                                                               "receiver")):
-        if ids.min() < 0 or ids.max() >= region.num_blocks:
-            raise PlanError(f"{side} block id out of range 0..{region.num_blocks - 1} in "
-                            f"region {region.name!r}")
-    seg = np.asarray(segs, dtype=np.int64)  # (S, 3)
-    src = sender.base + sender_ids[:, None] * sender.block_stride + seg[None, :, 0]
-    dst = receiver.base + receiver_ids[:, None] * receiver.block_stride + seg[None, :, 1]
-    length = np.broadcast_to(seg[None, :, 2], src.shape)
-    return coalesce(src.reshape(-1), dst.reshape(-1), np.ascontiguousarray(length).reshape(-1))
+@dataclass(frozen=True)
+class PlanTable:
+    """Everything of a plan that does not depend on the request, for one (sender regions,
+    receiver regions, rank pair): built once per peer, as NIXL builds its descriptor lists
+    at the handshake, so a pull only computes block addresses.
+
+    Each row is one (region, segment) of per-block bytes: a request's descriptors are
+    ``base[row] + block_id * stride[row]`` for every block of the row's KV cache group,
+    computed for all rows and groups in one pass of a fixed number of numpy operations
+    (no Python loop over regions or blocks).
+    """
+
+    pair: RankPair
+    num_groups: int
+    row_group: np.ndarray  # (R,) int64: the KV cache group of each row
+    src_base: np.ndarray  # (R,) region base + segment offset
+    src_stride: np.ndarray
+    dst_base: np.ndarray
+    dst_stride: np.ndarray
+    length: np.ndarray
+    sender_blocks: np.ndarray  # (G,) the fewest blocks of a group's regions (range check)
+    receiver_blocks: np.ndarray
+    # Per group: every row moves whole blocks (offset 0, length == both strides), so the
+    # kernel blocks of one logical block are one range and a kernel ratio scales stride and
+    # length instead of multiplying the block ids.
+    whole_blocks: tuple[bool, ...]
+
+    def plan_kernel_ids(self, sender_ids: Sequence[np.ndarray],
+                        receiver_ids: Sequence[np.ndarray],
+                        scales: Sequence[int] | None = None) -> TransferPlan:
+        """The plan for paired block ids, per group: kernel block ids, or logical ones
+        for groups whose ``scales[g]`` (their kernel ratio) is > 1."""
+        sizes = np.fromiter((ids.size for ids in sender_ids), dtype=np.int64,
+                            count=self.num_groups)
+        if not self.row_group.size or not sizes.any():
+            return TransferPlan.empty()
+        s_cat, r_cat = np.concatenate(sender_ids), np.concatenate(receiver_ids)
+        scale = None if scales is None or max(scales) == 1 else np.asarray(scales)
+        for cat, limits, side in ((s_cat, self.sender_blocks, "sender"),
+                                  (r_cat, self.receiver_blocks, "receiver")):
+            if scale is not None:
+                limits = limits // scale
+            bad = (cat < 0) | (cat >= np.repeat(limits, sizes))
+            if bad.any():
+                group = int(np.searchsorted(np.cumsum(sizes), np.argmax(bad), "right"))
+                raise PlanError(f"{side} block id out of range 0..{limits[group] - 1} "
+                                f"in KV cache group {group}")
+        per_row = sizes[self.row_group]
+        row = np.repeat(np.arange(per_row.size), per_row)
+        # Index of each descriptor's block in s_cat / r_cat.
+        group_start = np.cumsum(sizes) - sizes
+        row_start = np.cumsum(per_row) - per_row
+        pos = np.arange(row.size) + np.repeat(group_start[self.row_group] - row_start,
+                                              per_row)
+        src_stride, dst_stride, length = self.src_stride, self.dst_stride, self.length
+        if scale is not None:
+            row_scale = scale[self.row_group]
+            src_stride, dst_stride = src_stride * row_scale, dst_stride * row_scale
+            length = length * row_scale
+        return coalesce(self.src_base[row] + s_cat[pos] * src_stride[row],
+                        self.dst_base[row] + r_cat[pos] * dst_stride[row], length[row])
+
+    def plan(self, sender_block_ids: Sequence[Sequence[int]],
+             receiver_block_ids: Sequence[Sequence[int]],
+             kernel_ratios: Sequence[int] | None = None,
+             receiver_offsets: Sequence[int | None] | None = None) -> TransferPlan:
+        """The plan for one request's logical block ids (see ``plan_transfer``)."""
+        if len(sender_block_ids) != self.num_groups or len(receiver_block_ids) != len(
+                sender_block_ids):
+            raise PlanError(f"sender has {len(sender_block_ids)} KV cache groups, receiver "
+                            f"{len(receiver_block_ids)}, the regions {self.num_groups}")
+        ratios = kernel_ratios or [1] * self.num_groups
+        s_all, r_all, scales = [], [], []
+        for g, (s_ids, r_ids) in enumerate(zip(sender_block_ids, receiver_block_ids,
+                                               strict=True)):
+            offset = receiver_offsets[g] if receiver_offsets else None
+            s, r = align_block_ids(s_ids, r_ids, offset)
+            ratio = ratios[g]
+            if ratio != 1 and self.whole_blocks[g]:
+                scales.append(ratio)
+            else:
+                scales.append(1)
+                s, r = expand_to_kernel_blocks(s, ratio), expand_to_kernel_blocks(r, ratio)
+            s_all.append(s)
+            r_all.append(r)
+        return self.plan_kernel_ids(s_all, r_all, scales)
+
+
+def build_table(sender_regions: Sequence[Region], receiver_regions: Sequence[Region],
+                pair: RankPair, num_groups: int | None = None) -> PlanTable:
+    """Pair regions by name and lay their per-block segments out as rows."""
+    receivers = {r.name: r for r in receiver_regions}
+    if len(receivers) != len(receiver_regions) or {r.name for r in sender_regions} != set(
+            receivers):
+        missing = sorted({r.name for r in sender_regions} ^ set(receivers))
+        raise PlanError(f"sender and receiver regions differ: {missing[:6]}")
+    if num_groups is None:
+        num_groups = 1 + max((r.group for r in sender_regions), default=-1)
+    members: list[tuple[Region, Region, list[tuple[int, int, int]]]] = []
+    for sender in sender_regions:
+        if sender.group >= num_groups:
+            raise PlanError(f"region {sender.name!r} is in KV cache group {sender.group}, "
+                            f"but the request has {num_groups} groups of block ids")
+        receiver = receivers[sender.name]
+        segs = block_segments(sender, receiver, pair)
+        if segs:
+            members.append((sender, receiver, segs))
+    rows = [(s.group, s.base + a, s.block_stride, r.base + b, r.block_stride, n)
+            for s, r, segs in members for a, b, n in segs]
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, 6)
+    # A group with no rows for this pair moves nothing: any block id is fine there.
+    unbounded = np.iinfo(np.int64).max
+    s_blocks = [min((s.num_blocks for s, _, _ in members if s.group == g), default=unbounded)
+                for g in range(num_groups)]
+    r_blocks = [min((r.num_blocks for _, r, _ in members if r.group == g), default=unbounded)
+                for g in range(num_groups)]
+    whole = tuple(all(len(segs) == 1 and segs[0][:2] == (0, 0)
+                      and s.block_stride == r.block_stride == segs[0][2]
+                      for s, r, segs in members if s.group == g) for g in range(num_groups))
+    return PlanTable(pair, num_groups, table[:, 0].copy(), table[:, 1].copy(),
+                     table[:, 2].copy(), table[:, 3].copy(), table[:, 4].copy(),
+                     table[:, 5].copy(), np.asarray(s_blocks, dtype=np.int64),
+                     np.asarray(r_blocks, dtype=np.int64), whole)
 
 
 def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[Region],
@@ -190,29 +301,9 @@ def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[R
     Block ids are per KV cache group (HMA), logical; ``kernel_ratios[g]`` expands group
     ``g``'s logical ids to the kernel blocks the regions are laid out in;
     ``receiver_offsets[g]`` is the receiver's local prefix hit in blocks (None: tails).
+    A worker planning many requests for one peer keeps ``build_table``'s result and calls
+    its ``plan`` instead.
     """
-    receivers = {r.name: r for r in receiver_regions}
-    if len(receivers) != len(receiver_regions) or {r.name for r in sender_regions} != set(
-            receivers):
-        missing = sorted({r.name for r in sender_regions} ^ set(receivers))
-        raise PlanError(f"sender and receiver regions differ: {missing[:6]}")
-    if len(sender_block_ids) != len(receiver_block_ids):
-        raise PlanError(f"sender has {len(sender_block_ids)} KV cache groups, receiver "
-                        f"{len(receiver_block_ids)}")
-    ratios = list(kernel_ratios or [1] * len(sender_block_ids))
-    offsets = list(receiver_offsets or [None] * len(sender_block_ids))
-    paired = []
-    for g, (s_ids, r_ids) in enumerate(zip(sender_block_ids, receiver_block_ids, strict=True)):
-        s, r = align_block_ids(s_ids, r_ids, offsets[g])
-        paired.append((expand_to_kernel_blocks(s, ratios[g]),
-                       expand_to_kernel_blocks(r, ratios[g])))
-    parts = []
-    for region in sender_regions:
-        s_ids, r_ids = paired[region.group]
-        parts.append(plan_region(region, receivers[region.name], s_ids, r_ids, pair))
-    parts = [p for p in parts if p.num_descriptors]
-    if not parts:
-        return TransferPlan.empty()
-    return coalesce(np.concatenate([p.src for p in parts]),
-                    np.concatenate([p.dst for p in parts]),
-                    np.concatenate([p.length for p in parts]))
+    table = build_table(sender_regions, receiver_regions, pair,
+                        num_groups=len(sender_block_ids))
+    return table.plan(sender_block_ids, receiver_block_ids, kernel_ratios, receiver_offsets)

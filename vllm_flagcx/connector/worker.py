@@ -185,6 +185,7 @@ class WorkerHalf:
         self._done_recving: set[str] = set()
         self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
+        self._plan_tables: dict[tuple[str, int], plans.PlanTable] = {}
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
         self._pull_threads: list[threading.Thread] = []
@@ -449,13 +450,9 @@ class WorkerHalf:
         started = time.monotonic()
         try:
             hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
-            remote_regions = [_from_info(r) for r in pull.sheet.regions]
-            pair = plans.RankPair(self.settings.tp_rank, self.settings.tp_size,
-                                  pull.sheet.tp_rank, pull.sheet.tp_size)
-            plan = plans.plan_transfer(self.regions, remote_regions, armed.task.block_ids,
-                                       [list(g) for g in pull.block_ids], pair,
-                                       kernel_ratios=self.kernel_ratios or None,
-                                       receiver_offsets=list(pull.offsets) or None)
+            plan = self._plan_table(pull.sheet).plan(
+                armed.task.block_ids, pull.block_ids, self.kernel_ratios or None,
+                list(pull.offsets) or None)
             if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
                 self._finish_pull(armed, pull, failed=False)
                 return hs.PullReply(pull.transfer_id, True)
@@ -480,6 +477,21 @@ class WorkerHalf:
             sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges, self._read_kv)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc)
+
+    def _plan_table(self, sheet: hs.FactSheet) -> plans.PlanTable:
+        """The request-independent part of plans to this receiver rank, built at its first
+        pull and kept for its incarnation (a restarted decode has a new one)."""
+        key = (sheet.incarnation, sheet.tp_rank)
+        table = self._plan_tables.get(key)
+        if table is None:
+            if len(self._plan_tables) >= 256:  # decode restarts: drop the stale ones
+                self._plan_tables.clear()
+            pair = plans.RankPair(self.settings.tp_rank, self.settings.tp_size,
+                                  sheet.tp_rank, sheet.tp_size)
+            table = plans.build_table(self.regions, [_from_info(r) for r in sheet.regions],
+                                      pair, num_groups=len(self.settings.layout.block_sizes))
+            self._plan_tables[key] = table
+        return table
 
     def _connection(self, sheet: hs.FactSheet) -> object:
         handle = self._connections.get(sheet.incarnation)
