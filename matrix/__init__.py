@@ -96,6 +96,11 @@ def tox_settings() -> dict[str, Any]:
     return dict(load()["tox"])
 
 
+def bench_settings() -> dict[str, Any]:
+    """The benchmark env: extra packages (charts) and the default arguments."""
+    return dict(load()["bench"])
+
+
 def e2e_settings() -> dict[str, Any]:
     """The real-engine env: which build, which distribution, its requirements, its tests."""
     return dict(load()["e2e"])
