@@ -129,7 +129,7 @@ def test_chat_completions_through_the_router(pd):
         assert "template" in r.text.lower()
 
 
-def test_vllm_bench_serve_through_the_router(pd):
+def test_vllm_bench_serve_through_the_router(pd, capsys):
     out = subprocess.run(
         [sys.executable, "-m", "vllm_flagcx.compat.bench", "--base-url", pd.router.url,
          "--endpoint", "/v1/completions", "--model", str(pd.model),
@@ -143,7 +143,8 @@ def test_vllm_bench_serve_through_the_router(pd):
                 None)
     assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(line.split(" ", 1)[1])
-    print(summary)
+    with capsys.disabled():  # the summary belongs in the CI log
+        print(f"\nvllm bench serve through the router: {json.dumps(summary)}")
     assert summary["failed"] == 0 and summary["completed"] == 20
     assert out.returncode == 0
 
