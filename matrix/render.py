@@ -109,12 +109,12 @@ def render_tox() -> str:
         "commands = vllm-flagcx doctor {posargs}",
         "",
         "[testenv:lint]",
-        "description = ruff over the package, matrix, tests and benchmarks",
+        "description = ruff over the package, matrix, tests, benchmarks and examples",
         "env_dir = {work_dir}/lint",
         "skip_install = true",
         f"deps = ruff=={settings['ruff_version']}",
         "commands_pre =",
-        "commands = ruff check vllm_flagcx matrix tests benchmarks",
+        "commands = ruff check vllm_flagcx matrix tests benchmarks examples",
         "",
     ]
     return "\n".join(lines)

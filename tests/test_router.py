@@ -194,3 +194,33 @@ def test_prefill_body_keeps_chat_limits_at_one():
                         "stream_options": {"include_usage": True}, "stream": True}, "t")
     assert out["max_completion_tokens"] == 1 and out["max_tokens"] == 1
     assert "n" not in out and "stream_options" not in out and out["stream"] is False
+
+
+def test_design_note_router_script_takes_its_flags(tmp_path):
+    """examples/disaggregated_serving_xpyd/router.py with the design note's flags serves,
+    and /health names the prefill and decode instances it was given."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples/disaggregated_serving_xpyd/router.py"
+    port, p_port, d_port = rs.free_port(), rs.free_port(), rs.free_port()
+    proc = subprocess.Popen([sys.executable, str(script), "--host", "127.0.0.1", "--port",
+                             str(port), "--prefill", f"http://127.0.0.1:{p_port}", "8998",
+                             "--decode", f"http://127.0.0.1:{d_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "router.py exited"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "router.py did not serve within 60 s"
+                time.sleep(0.3)
+        assert r.status_code == 503  # nothing listens behind it
+        assert f"127.0.0.1:{p_port}" in r.text or f"127.0.0.1:{d_port}" in r.text
+    finally:
+        proc.terminate()
+        proc.wait(20)
