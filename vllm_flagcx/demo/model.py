@@ -39,11 +39,36 @@ def model_config(kind: str = "sliding") -> dict:
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
         "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
     }
+    if kind == "hybrid":
+        return hybrid_config()
     if kind == "sliding":
         config |= {"layer_types": layers, "sliding_window": SLIDING_WINDOW}
     elif kind != "dense":
-        raise ValueError(f"model kind {kind!r}: use 'sliding' or 'dense'")
+        raise ValueError(f"model kind {kind!r}: use 'hybrid', 'sliding' or 'dense'")
     return config
+
+
+def hybrid_config() -> dict:
+    """A Qwen3-Next (Qwen3.5/3.6 family) layer mix at toy size: [3 Gated DeltaNet + 1 full
+    attention] x 2, so vLLM's hybrid KV cache manager makes one attention group and three
+    GDN groups, whose conv + ssm state the connector moves. vLLM's Qwen3-Next needs at
+    least one MoE layer; the others use a dense MLP (``mlp_only_layers``), which keeps the
+    toy model small (experts are irrelevant to what moves between P and D)."""
+    layers = (["linear_attention"] * 3 + ["full_attention"]) * 2
+    return {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+        "vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": len(layers), "layer_types": layers,
+        "full_attention_interval": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+        "decoder_sparse_step": 1, "norm_topk_prob": True,
+        "mlp_only_layers": list(range(len(layers) - 1)), "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    }
 
 
 def _tokenizer_json() -> str:
@@ -63,8 +88,11 @@ WEIGHTS_SEED = 20261202
 
 
 def weights(config: dict) -> dict:
-    """Seeded weights in the Hugging Face Llama naming (fp32, ~12 MB for this size)."""
+    """Seeded weights in the Hugging Face naming (fp32, ~12 MB for this size)."""
     import torch
+
+    if config["model_type"] == "qwen3_next":
+        return _hybrid_weights(config)
 
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
     hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], \
@@ -90,6 +118,25 @@ def weights(config: dict) -> dict:
             prefix + "input_layernorm.weight": torch.ones(hidden),
             prefix + "post_attention_layernorm.weight": torch.ones(hidden),
         }
+    return out
+
+
+def _hybrid_weights(config: dict) -> dict:
+    """Transformers' own Qwen3-Next parameters (names, shapes, GDN's A_log/dt_bias/conv
+    init), with every matrix redrawn from the seed at unit gain like the Llama weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(WEIGHTS_SEED)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    gen = torch.Generator().manual_seed(WEIGHTS_SEED)
+    out = {}
+    for name, tensor in hf.state_dict().items():
+        if tensor.ndim == 2:
+            tensor = torch.randn(tensor.shape, generator=gen) / tensor.shape[1] ** 0.5
+        out[name] = tensor.detach().float().contiguous()
+    if config.get("tie_word_embeddings"):
+        out.pop("lm_head.weight", None)
     return out
 
 

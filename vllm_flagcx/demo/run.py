@@ -92,7 +92,7 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-flagcx demo", description=__doc__.split("\n")[0])
-    p.add_argument("--model-kind", default="sliding", choices=("sliding", "dense"))
+    p.add_argument("--model-kind", default="sliding", choices=("hybrid", "sliding", "dense"))
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--base-port", type=int, default=18300,
                    help="router; prefill +1, decode +2, side channel +50")
