@@ -132,6 +132,21 @@ def _hybrid_weights(config: dict) -> dict:
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
     out = {}
     for name, tensor in hf.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2I, H): per expert, vLLM's names
+            prefix, half = name[:-len("gate_up_proj")], tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                for part, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
+                    shape = tensor[e, rows].shape
+                    out[f"{prefix}{e}.{part}.weight"] = (
+                        torch.randn(shape, generator=gen) / shape[1] ** 0.5)
+            continue
+        if name.endswith("mlp.experts.down_proj"):  # (E, H, I)
+            prefix = name[:-len("down_proj")]
+            for e in range(tensor.shape[0]):
+                shape = tensor[e].shape
+                out[f"{prefix}{e}.down_proj.weight"] = (
+                    torch.randn(shape, generator=gen) / shape[1] ** 0.5)
+            continue
         if tensor.ndim == 2:
             tensor = torch.randn(tensor.shape, generator=gen) / tensor.shape[1] ** 0.5
         out[name] = tensor.detach().float().contiguous()
