@@ -28,30 +28,51 @@ REPEATS = 20
 
 
 def main() -> int:
-    import peers
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    result = measure()
+    print(json.dumps(result["machine"]))
+    print(table(result["rows"]))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def measure(repeats: int = REPEATS) -> dict:
+    """Run every descriptor set; {"machine": fingerprint, "rows": [...]}."""
+    import peers
+
     pool = 2 * TOTAL
     with peers.spawned(peers.gpu_decode_side, pool, start_timeout=120, stop="stop") as (
             conn, (desc, d_base)):
-        return _run(conn, desc, d_base, pool, args)
+        return _run(conn, desc, d_base, pool, repeats)
 
 
-def _timed(p, handle, s_addr, d_addr, length, kernel: bool) -> list[float]:
+def table(rows: list[dict]) -> str:
+    lines = [f"{'descriptors':>11} {'MB':>8} {'IPC ms':>8} {'IPC GB/s':>9} {'us/desc':>8} "
+             f"{'1 memcpy/desc GB/s':>19} {'d2d GB/s':>9} {'ratio':>6}"]
+    for r in rows:
+        lines.append(f"{r['descriptors']:>11} {r['bytes'] / 1e6:>8.1f} {r['ipc_ms']:>8.2f} "
+                     f"{r['ipc_GBps']:>9.1f} {r['us_per_descriptor']:>8.2f} "
+                     f"{r['memcpy_each_GBps']:>19.1f} {r['d2d_copy_GBps']:>9.1f} "
+                     f"{r['ratio']:>6.3f}")
+    return "\n".join(lines)
+
+
+def _timed(p, handle, s_addr, d_addr, length, kernel: bool, repeats: int) -> list[float]:
     from vllm_flagcx.transport import cuda_ipc
 
     os.environ[cuda_ipc.BATCHED_ENV] = "1" if kernel else "0"
     out = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         assert p.write(handle, s_addr, d_addr, length).ok
         out.append(time.perf_counter() - start)
     return out
 
 
-def _run(conn, desc, d_base, pool, args) -> int:
+def _run(conn, desc, d_base, pool, repeats: int) -> dict:
     import torch
 
     from vllm_flagcx.transport.local import LocalTransport
@@ -73,19 +94,18 @@ def _run(conn, desc, d_base, pool, args) -> int:
         length = np.full(n, size, dtype=np.uint64)
         warm = p.write(handle, s_addr, d_addr, length)  # warm (opens the IPC handle)
         if not warm.ok:
-            print(f"write failed: {warm.error}", flush=True)
-            return 1
+            raise RuntimeError(f"B2b: write failed: {warm.error}")
         conn.send("bytes")
         got = np.frombuffer(conn.recv(), dtype=np.uint8)
         host = src.cpu().numpy()
         for k in rng.choice(n, size=min(n, 32), replace=False):
             a, b = int(s_idx[k]) * size, int(d_idx[k]) * size
             assert np.array_equal(got[b:b + size], host[a:a + size]), "bytes differ"
-        per_desc = _timed(p, handle, s_addr, d_addr, length, kernel=False)  # a memcpy each
-        times = _timed(p, handle, s_addr, d_addr, length, kernel=True)  # default: one launch
+        per_desc = _timed(p, handle, s_addr, d_addr, length, False, repeats)  # memcpy each
+        times = _timed(p, handle, s_addr, d_addr, length, True, repeats)  # one launch
         dst_local = torch.empty(n * size, dtype=torch.uint8, device="cuda")
         base_times = []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             torch.cuda.synchronize()
             start = time.perf_counter()
             dst_local.copy_(src[: n * size])
@@ -102,16 +122,7 @@ def _run(conn, desc, d_base, pool, args) -> int:
                    "python": platform.python_version(), "host": platform.node(),
                    "date": time.strftime("%Y-%m-%d")}
     fingerprint["first_connect_s"] = round(time.perf_counter() - t0, 3)
-    print(json.dumps(fingerprint))
-    print(f"{'descriptors':>11} {'MB':>8} {'IPC ms':>8} {'IPC GB/s':>9} {'us/desc':>8} "
-          f"{'1 memcpy/desc GB/s':>19} {'d2d GB/s':>9} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['descriptors']:>11} {r['bytes'] / 1e6:>8.1f} {r['ipc_ms']:>8.2f} "
-              f"{r['ipc_GBps']:>9.1f} {r['us_per_descriptor']:>8.2f} "
-              f"{r['memcpy_each_GBps']:>19.1f} {r['d2d_copy_GBps']:>9.1f} {r['ratio']:>6.3f}")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": fingerprint, "rows": rows}, indent=2))
-    return 0
+    return {"machine": fingerprint, "rows": rows}
 
 
 if __name__ == "__main__":

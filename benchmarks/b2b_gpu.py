@@ -1,0 +1,47 @@
+"""B2b: GPU data path, CUDA IPC P -> D between two processes on one GPU, against a
+device-to-device copy of the same bytes in the same run (``benchmarks/gpu_ipc.py``).
+
+Needs a CUDA GPU; elsewhere (CI, the CPU VM) it reports itself as not run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(quick: bool) -> dict[str, Any]:
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        return {"name": "b2b_gpu", "text": "B2b GPU data path: not run (no CUDA device)",
+                "rows": []}
+    for path in (HERE, HERE.parent / "tests"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    import gpu_ipc
+
+    result = gpu_ipc.measure(repeats=5 if quick else gpu_ipc.REPEATS)
+    text = (f"B2b GPU data path on {result['machine']['gpu']} (CUDA IPC vs device-to-device "
+            f"copy in the same run)\n" + gpu_ipc.table(result["rows"]))
+    return {"name": "b2b_gpu", "text": text, **result}
+
+
+def chart(result: dict[str, Any], out_dir: Any) -> None:
+    rows = result["rows"]
+    if not rows:
+        return
+    report.bar_chart(out_dir, "b2b_gpu", "B2b CUDA IPC P->D vs device-to-device copy",
+                     [f"{r['descriptors']:,} descriptors" for r in rows],
+                     {"IPC, batched kernel": [r["ipc_GBps"] for r in rows],
+                      "IPC, one memcpy each": [r["memcpy_each_GBps"] for r in rows],
+                      "d2d copy (same run)": [r["d2d_copy_GBps"] for r in rows]}, "GB/s")
