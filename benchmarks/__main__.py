@@ -3,9 +3,9 @@
 B1 plan cost per request (vs vLLM NIXL's desc-id code), B2a host data path (vs memcpy),
 B3 cost per engine step (real vLLM Scheduler, ours vs NixlConnector's scheduler side),
 B4 first-request handshake, and B2b (CUDA IPC vs a device-to-device copy) where a CUDA GPU
-is present (``benchmarks/gpu_ipc.py`` runs it alone). Each prints a machine fingerprint and a table, writes JSON and a PNG per
-benchmark to ``--out``. ``--quick`` is a few-minute smoke run of the harness; its numbers
-are not the published ones.
+is present (``benchmarks/gpu_ipc.py`` runs it alone). Each prints a machine fingerprint
+and a table, writes JSON and a PNG per benchmark to ``--out``. ``--quick`` is a
+few-minute smoke run of the harness; its numbers are not the published ones.
 """
 
 from __future__ import annotations
