@@ -77,3 +77,14 @@ def test_transport_selection_by_name(monkeypatch):
     assert transport_factory_path(extra({"transport_factory": "a:b"})) == "a:b"
     with pytest.raises(ValueError, match="transport='rdma' is unknown"):
         transport_factory_path(extra({"transport": "rdma"}))
+
+
+def test_cpu_binding_warning_names_the_setting_only_when_auto_pinned():
+    from vllm_flagcx.connector.worker import cpu_binding_warning
+
+    hint = cpu_binding_warning({0}, {0, 1}, None, host_memory=True)
+    assert hint and "VLLM_CPU_OMP_THREADS_BIND" in hint and "[0]" in hint
+    assert cpu_binding_warning({0}, {0, 1}, "auto", host_memory=True) == hint
+    assert cpu_binding_warning({0}, {0, 1}, "0", host_memory=True) is None  # operator chose
+    assert cpu_binding_warning({0, 1}, {0, 1}, None, host_memory=True) is None  # not pinned
+    assert cpu_binding_warning({0}, {0, 1}, None, host_memory=False) is None  # GPU caches

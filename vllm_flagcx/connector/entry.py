@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any
 
 from vllm_flagcx.compat import config as compat_config
@@ -247,6 +248,14 @@ class FlagCXConnector(PortableConnectorBase):
         ktc = self._vllm_config.kv_transfer_config
         self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
                                      logical_num_blocks=self.kv_cache_config.num_blocks)
+        if hasattr(os, "sched_getaffinity"):
+            from vllm_flagcx.connector.worker import cpu_binding_warning
+
+            hint = cpu_binding_warning(
+                set(os.sched_getaffinity(0)), set(range(os.cpu_count() or 1)),
+                compat_config.env("VLLM_CPU_OMP_THREADS_BIND"), first.device.type == "cpu")
+            if hint:
+                logger.warning("FlagCXConnector: %s", hint)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
