@@ -113,7 +113,7 @@ def run(quick: bool) -> dict[str, Any]:
     text = report.table(
         f"B1 plan cost per request (pool {num_blocks} blocks, {reps} reps; NIXL = its "
         "desc-id code without make_prepped_xfer)",
-        ("kernel ratio", "tokens", "blocks", "our descs", "NIXL descs", "ours us p50",
+        ("kernel ratio", "tokens", "block ids", "our descs", "NIXL descs", "ours us p50",
          "ours us p99", "NIXL us p50", "ours/NIXL"), rows)
     text += "\nplan table per peer (once, at the first pull): " + ", ".join(
         f"kernel ratio {t['ratio']}: {t['build_us']['median']:.0f} us" for t in tables)
