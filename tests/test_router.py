@@ -224,3 +224,17 @@ def test_design_note_router_script_takes_its_flags(tmp_path):
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_failed_decode_legs_leave_no_request_counted_in_flight():
+    """A refused and an unreachable decode each count as failed and leave the instance's
+    in-flight count at 0, so least-loaded choice is not skewed by requests that ended."""
+    with rs.upstream("prefill") as p, rs.upstream("decode", status=400) as refusing:
+        gone = rs.free_port()
+        dead = type("Gone", (), {"url": f"http://127.0.0.1:{gone}"})()
+        with router([p], [refusing, dead]) as (url, proxy):
+            codes = sorted(httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+                           .status_code for _ in range(2))
+    assert codes == [400, 502]
+    assert [i.in_flight for i in proxy.decode.instances] == [0, 0]
+    assert [i.failed for i in proxy.decode.instances] == [1, 1]

@@ -183,30 +183,33 @@ class Proxy:
         """Send the decode leg; returns the open (streamed) response once headers came."""
         instance = self.decode.pick()
         instance.in_flight += 1
-        request = self.client.build_request("POST", instance.url + path,
-                                            json=decode_body(body, params))
+        handed_over = False  # the caller owns the in-flight count once it has the response
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            instance.in_flight -= 1
-            instance.failed += 1
-            raise LegError(504, "decode", instance.url, f"no answer ({type(exc).__name__})"
-                           ) from exc
-        except httpx.HTTPError as exc:
-            instance.in_flight -= 1
-            instance.failed += 1
-            raise LegError(502, "decode", instance.url, f"unreachable: {exc!r}") from exc
-        except BaseException:
-            instance.in_flight -= 1
-            raise
-        if response.status_code != 200:
-            await response.aread()
-            await response.aclose()
-            instance.in_flight -= 1
-            instance.failed += 1
-            raise LegError(response.status_code, "decode", instance.url,
-                           f"answered HTTP {response.status_code}", _upstream_error(response))
-        return instance, response
+            request = self.client.build_request("POST", instance.url + path,
+                                                json=decode_body(body, params))
+            try:
+                response = await self.client.send(request, stream=True)
+            except httpx.TimeoutException as exc:
+                instance.failed += 1
+                raise LegError(504, "decode", instance.url,
+                               f"no answer ({type(exc).__name__})") from exc
+            except httpx.HTTPError as exc:
+                instance.failed += 1
+                raise LegError(502, "decode", instance.url, f"unreachable: {exc!r}") from exc
+            if response.status_code != 200:
+                instance.failed += 1
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                raise LegError(response.status_code, "decode", instance.url,
+                               f"answered HTTP {response.status_code}",
+                               _upstream_error(response))
+            handed_over = True
+            return instance, response
+        finally:
+            if not handed_over:
+                instance.in_flight -= 1
 
     async def release(self, params: dict[str, Any] | None) -> None:
         """Free what prefill holds for a request nobody will decode."""
