@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import layout as L
-from benchmarks import peer, report
+from benchmarks import peer, report, use_test_helpers
 from vllm_flagcx.connector import plans
 from vllm_flagcx.transport.local import LocalTransport
 
@@ -29,7 +29,11 @@ def run(quick: bool) -> dict[str, Any]:
     p_side = L.rank_layout(num_blocks, base=p_pool.ctypes.data)
     baseline_dst = np.zeros(L.request_bytes(max(sizes)), dtype=np.uint8)
     out, rows = [], []
-    with peer.spawned(peer.host_pool, p_pool.nbytes) as (conn, (desc, d_base)):
+    use_test_helpers()
+    import peers
+
+    with peers.spawned(peer.host_pool, p_pool.nbytes, start_timeout=120, stop="stop") as (
+            conn, (desc, d_base)):
         d_side = L.rank_layout(num_blocks, base=d_base)
         transport = LocalTransport()
         transport.register(p_pool.ctypes.data, p_pool.nbytes)

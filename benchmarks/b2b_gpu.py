@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import report, use_test_helpers
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,9 +25,9 @@ def run(quick: bool) -> dict[str, Any]:
     if not has_gpu:
         return {"name": "b2b_gpu", "text": "B2b GPU data path: not run (no CUDA device)",
                 "rows": []}
-    for path in (HERE, HERE.parent / "tests"):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
+    use_test_helpers()
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     import gpu_ipc
 
     result = gpu_ipc.measure(repeats=5 if quick else gpu_ipc.REPEATS)

@@ -13,22 +13,18 @@ per step added over the baseline, and metadata bytes per step.
 from __future__ import annotations
 
 import pickle
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import report, use_test_helpers
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
 RUNNING = 4
 PROMPT = 64  # tokens of each waiting request (4 blocks of 16)
 CLOSED_PORT = 9  # discard: nothing listens on loopback, heartbeats fail fast
 
 
 def _harness() -> Any:
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
+    use_test_helpers()
     import cpu_platform  # noqa: F401 - vLLM's CPU platform before vLLM loads
     import vllm_harness
 

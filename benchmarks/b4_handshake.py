@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from benchmarks import layout as L
-from benchmarks import peer, report
+from benchmarks import peer, report, use_test_helpers
 from vllm_flagcx.connector import client
 from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector import worker as wk
@@ -39,7 +39,11 @@ def run(quick: bool) -> dict[str, Any]:
                           incarnation="d", tp_size=L.TP, tp_rank=0)
     transport = LocalTransport()
     parts: dict[str, dict[str, list[float]]] = {"cold": {}, "warm": {}}
-    with peer.spawned(peer.prefill_side_channel, port, 2000):
+    use_test_helpers()
+    import peers
+
+    with peers.spawned(peer.prefill_side_channel, port, 2000, start_timeout=120,
+                       stop="stop"):
         shared = zmq.Context()
         for mode in ("cold", "warm"):
             for _ in range(reps):

@@ -1,4 +1,5 @@
-"""The decode-side process of the two-process benchmarks (B2a, B4).
+"""The peer processes of the two-process benchmarks (B2a, B4), started with the tests'
+``peers.spawned``.
 
 Kept light: a spawned child imports numpy, the transport and the connector's worker half,
 never vLLM. Commands arrive over a pipe; every loop is bounded by the parent's timeouts.
@@ -6,10 +7,7 @@ never vLLM. Commands arrive over a pipe; every loop is bounded by the parent's t
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 
@@ -63,23 +61,3 @@ def layout_facts() -> Any:
                           kernel_block_sizes=(L.BLOCK_TOKENS,) * L.NUM_GROUPS,
                           page_bytes=(L.PAGE * L.TP,) * L.NUM_GROUPS, conv_layout="DS",
                           num_kv_heads=L.KV_HEADS)
-
-
-@contextlib.contextmanager
-def spawned(target: Any, *args: Any, timeout: float = 120) -> Iterator[tuple[Any, Any]]:
-    """Start ``target(conn, *args)`` in a spawned process; yield (conn, its first message)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(timeout):
-            raise TimeoutError(f"{target.__name__} did not start within {timeout:.0f} s")
-        yield parent, parent.recv()
-    finally:
-        if proc.is_alive():
-            with contextlib.suppress(OSError):
-                parent.send("stop")
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
