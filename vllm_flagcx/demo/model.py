@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 SLIDING_WINDOW = 64
@@ -100,7 +101,7 @@ def weights(config: dict) -> dict:
     head_dim, inter = config["head_dim"], config["intermediate_size"]
 
     def linear(out: int, inp: int) -> torch.Tensor:
-        return torch.randn(out, inp, generator=gen) / inp ** 0.5
+        return _unit_gain((out, inp), gen)
 
     out = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden,
                                                     generator=gen),
@@ -121,6 +122,13 @@ def weights(config: dict) -> dict:
     return out
 
 
+def _unit_gain(shape: Any, gen: Any) -> Any:
+    """A (out, in) matrix drawn from ``gen`` with unit gain: activations stay O(1)."""
+    import torch
+
+    return torch.randn(tuple(shape), generator=gen) / shape[-1] ** 0.5
+
+
 def _hybrid_weights(config: dict) -> dict:
     """Transformers' own Qwen3-Next parameters (names, shapes, GDN's A_log/dt_bias/conv
     init), with every matrix redrawn from the seed at unit gain like the Llama weights."""
@@ -132,24 +140,21 @@ def _hybrid_weights(config: dict) -> dict:
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
     out = {}
     for name, tensor in hf.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2I, H): per expert, vLLM's names
+        # Fused experts ((E, 2I, H) gate||up, (E, H, I) down) go out per expert, in the
+        # names vLLM's loader maps.
+        if name.endswith("mlp.experts.gate_up_proj"):
             prefix, half = name[:-len("gate_up_proj")], tensor.shape[1] // 2
             for e in range(tensor.shape[0]):
-                for part, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
-                    shape = tensor[e, rows].shape
-                    out[f"{prefix}{e}.{part}.weight"] = (
-                        torch.randn(shape, generator=gen) / shape[1] ** 0.5)
-            continue
-        if name.endswith("mlp.experts.down_proj"):  # (E, H, I)
+                out[f"{prefix}{e}.gate_proj.weight"] = _unit_gain(tensor[e, :half].shape, gen)
+                out[f"{prefix}{e}.up_proj.weight"] = _unit_gain(tensor[e, half:].shape, gen)
+        elif name.endswith("mlp.experts.down_proj"):
             prefix = name[:-len("down_proj")]
             for e in range(tensor.shape[0]):
-                shape = tensor[e].shape
-                out[f"{prefix}{e}.down_proj.weight"] = (
-                    torch.randn(shape, generator=gen) / shape[1] ** 0.5)
-            continue
-        if tensor.ndim == 2:
-            tensor = torch.randn(tensor.shape, generator=gen) / tensor.shape[1] ** 0.5
-        out[name] = tensor.detach().float().contiguous()
+                out[f"{prefix}{e}.down_proj.weight"] = _unit_gain(tensor[e].shape, gen)
+        elif tensor.ndim == 2:
+            out[name] = _unit_gain(tensor.shape, gen)
+        else:
+            out[name] = tensor.detach().float().contiguous()
     if config.get("tie_word_embeddings"):
         out.pop("lm_head.weight", None)
     return out
