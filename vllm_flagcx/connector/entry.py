@@ -249,10 +249,11 @@ class FlagCXConnector(PortableConnectorBase):
         self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
                                      logical_num_blocks=self.kv_cache_config.num_blocks)
         if hasattr(os, "sched_getaffinity"):
+            from vllm_flagcx.connector.host_cpus import allowed_cpus
             from vllm_flagcx.connector.worker import cpu_binding_warning
 
             hint = cpu_binding_warning(
-                set(os.sched_getaffinity(0)), set(range(os.cpu_count() or 1)),
+                set(os.sched_getaffinity(0)), allowed_cpus(),
                 compat_config.env("VLLM_CPU_OMP_THREADS_BIND"), first.device.type == "cpu")
             if hint:
                 logger.warning("FlagCXConnector: %s", hint)

@@ -74,17 +74,19 @@ def unpin_this_thread() -> None:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
-def cpu_binding_warning(pinned: set[int], machine: set[int], bind_setting: str | None,
+def cpu_binding_warning(pinned: set[int], allowed: set[int], bind_setting: str | None,
                         host_memory: bool) -> str | None:
     """The operator hint for a CPU-backend worker bound by vLLM's automatic binding.
 
     ``auto`` binds every engine on a host to the same cores; two engines there (a
     single-host PD) then share one core for their busy loops, and the side channel starved
-    for seconds to a minute on a 2-core machine. None when nothing suggests that.
+    for seconds to a minute on a 2-core machine. ``allowed``: the CPUs the host lets this
+    engine use (``host_cpus.allowed_cpus``, a container's cpuset). None when nothing
+    suggests a shared core.
     """
-    if not host_memory or not pinned or pinned >= machine or (bind_setting or "auto") != "auto":
+    if not host_memory or not pinned or pinned >= allowed or (bind_setting or "auto") != "auto":
         return None
-    return (f"this CPU worker is bound to CPUs {sorted(pinned)} of {len(machine)} by vLLM's "
+    return (f"this CPU worker is bound to CPUs {sorted(pinned)} of {len(allowed)} by vLLM's "
             "automatic binding; if another engine (prefill or decode) runs on this host, "
             "give each its own CPUs with VLLM_CPU_OMP_THREADS_BIND (e.g. 0-15 and 16-31), "
             "or their shared cores starve the FlagCX side channel")

@@ -1,0 +1,47 @@
+"""Which CPUs this host lets the engine use, for the CPU-binding hint.
+
+``os.cpu_count()`` counts the machine; a container limited by a cpuset may use fewer. A
+worker bound by vLLM to *all* the CPUs its container allows is not pinned, so the hint
+(``worker.cpu_binding_warning``) compares against the cgroup's effective cpuset, not the
+machine's count. Pure parsing in ``parse_cpu_list``; file reading in ``allowed_cpus``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# cgroup v2 (unified), then v1; inside a container's cgroup namespace both are the
+# container's own set.
+CPUSET_FILES = (Path("/sys/fs/cgroup/cpuset.cpus.effective"),
+                Path("/sys/fs/cgroup/cpuset/cpuset.effective_cpus"))
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The kernel's CPU list syntax (``0-3,8,10-11``) as a set; empty text is no CPUs."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ValueError(f"CPU list {text.strip()!r}: {part!r} is not N or N-M") from None
+        if high < low:
+            raise ValueError(f"CPU list {text.strip()!r}: range {part!r} runs backwards")
+        cpus.update(range(low, high + 1))
+    return cpus
+
+
+def allowed_cpus(files: tuple[Path, ...] = CPUSET_FILES) -> set[int]:
+    """The cgroup's effective cpuset, or every CPU of the machine when none is readable."""
+    for path in files:
+        try:
+            cpus = parse_cpu_list(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return set(range(os.cpu_count() or 1))
