@@ -216,6 +216,37 @@ def test_decode_abort_during_write_holds_blocks_until_no_write_in_flight():
         d.shutdown()
 
 
+def test_prefill_gone_after_prefill_fails_the_pull_at_once_not_after_the_timeouts():
+    """P computes a prompt's KV, then its worker goes away (side channel, writer and all)
+    before D pulls. D already holds P's fact sheet (an earlier request), so nothing but
+    the pull itself notices: it must fail when P's port refuses connections, not after the
+    pull timeout plus the release's wait for the lease (70 s in the e2e run)."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port)
+    d = pd.build_instance("kv_consumer", 1, port + 5, recv_timeout=20.0)
+    try:
+        pd.run_pd(p, d, prompts=[37])  # D caches P's fact sheet
+        rec = next(iter(pd.run_prefill(p, prompts=[40]).values()))
+        p.shutdown()
+        req = harness.make_request(rec["tokens"], max_tokens=3,
+                                   kv_transfer_params=dict(rec["params"]))
+        d.scheduler.add_request(req)
+        started = time.monotonic()
+        while pd.busy(d) and time.monotonic() < started + 15:
+            d.step()
+            time.sleep(0.002)
+        elapsed = time.monotonic() - started
+        assert req.request_id in pd.finished_ids(d)  # recomputed, not lost
+        _assert_empty(d)
+        [(_, stage, _, error)] = [e for w in d.workers for e in w.ledger.recent]
+        assert stage == "recv" and "refuses connections" in error, error
+        assert "did not confirm" not in error  # a gone writer writes nothing more
+        assert elapsed < 10, elapsed  # the 1 s probe, not recv_timeout (20 s) + lease (30 s)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 @pytest.mark.parametrize("transport", [None, "local"], ids=["standin", "local"])
 @pytest.mark.parametrize("model", ["hybrid", "dense"])
 def test_through_the_entry_class_worker_role(model, transport):

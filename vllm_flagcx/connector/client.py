@@ -7,27 +7,69 @@ finished but before decode started (else the blocks wait for the lease to expire
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any
 
 from vllm_flagcx.connector import handshake as hs
 
 
-def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float
-        ) -> hs.Message:
+class PeerGoneError(ConnectionError):
+    """The peer's side-channel port refuses connections: no process listens there.
+
+    Prefill's side channel lives in the worker process that also issues the writes, so a
+    refused port means that process is gone and no write of it can still be in flight;
+    decode need not wait out the timeout (40 s for a pull, the 30 s lease for a release)
+    before it reports the blocks for recompute. A peer that does not answer at all (a host
+    down, a dropped packet) is not "gone": only a refusal is proof.
+    """
+
+
+def listening(host: str, port: int, timeout: float = 0.5) -> bool | None:
+    """True: something accepts connections on ``host:port``; False: refused (nothing
+    listens); None: no verdict within ``timeout`` (unreachable, filtered)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+
+
+def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
+        probe_every: float | None = None) -> hs.Message:
     """Send ``message`` to ``host:port`` and return the answer; TimeoutError after
-    ``timeout`` seconds without one."""
+    ``timeout`` seconds without one.
+
+    ``probe_every``: while waiting, check this often whether the port still accepts
+    connections, and raise PeerGoneError as soon as it refuses (ZMQ itself reconnects to
+    a dead peer silently, forever).
+    """
     import zmq
 
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+    deadline = time.monotonic() + timeout
     try:
         sock.connect(f"tcp://{host}:{port}")
         sock.send(hs.encode(message))
-        return hs.decode(sock.recv())
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer from {host}:{port} within {timeout:.1f} s")
+            wait = left if probe_every is None else min(left, probe_every)
+            if sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
+                return hs.decode(sock.recv())
+            if probe_every is not None and listening(host, port) is False:
+                raise PeerGoneError(f"{host}:{port} refuses connections: the prefill "
+                                    "worker that serves it is gone")
     except zmq.error.Again as exc:
         raise TimeoutError(f"no answer from {host}:{port} within {timeout:.1f} s") from exc
+    except zmq.error.ContextTerminated as exc:  # this worker shuts down under the wait
+        raise ConnectionAbortedError(f"asking {host}:{port}: the side channel was closed "
+                                     "(shutdown)") from exc
     finally:
         sock.close()
 

@@ -55,6 +55,7 @@ class WorkerSettings:
     lease_seconds: float = 30.0
     skip_compat_hash: bool = False
     peer_ttl: float = 300.0  # re-handshake a cached prefill after this long (restarts)
+    peer_probe_seconds: float = 1.0  # while waiting on prefill, check it still listens
     verify_integrity: bool = True  # checksum a sample of every transfer
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
@@ -276,7 +277,8 @@ class WorkerHalf:
 
         if self._zmq is None:
             self._zmq = zmq.Context()
-        return client.ask(self._zmq, host, port, message, timeout)
+        return client.ask(self._zmq, host, port, message, timeout,
+                          probe_every=self.settings.peer_probe_seconds)
 
     def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
         key = (host, port)
@@ -355,7 +357,8 @@ class WorkerHalf:
         A pull that timed out may still be written by a slow prefill; reporting it now
         would let vLLM reuse the blocks under that write. Each prefill rank handles its
         side channel in order, so its Ack to the Release comes after any write it had
-        under way. The wait is bounded by the lease.
+        under way. The wait is bounded by the lease, and ends at once when prefill's port
+        refuses connections (its worker, the writer, is gone: ``client.PeerGoneError``).
         """
         confirmed = self._release(task.remote.transfer_id, task.remote,
                                   self.settings.lease_seconds)
@@ -364,12 +367,16 @@ class WorkerHalf:
         self.ledger.record("recv", task.request_id, flat, error)
 
     def _release(self, transfer_id: str, remote: Any, timeout: float) -> bool:
-        """Tell every prefill rank to drop ``transfer_id``; True when all acknowledged."""
+        """Tell every prefill rank to drop ``transfer_id``; True when each acknowledged
+        or is gone (its port refuses connections: nothing left there to write)."""
         try:
             p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
             for p_rank in range(p_sheet.tp_size):
-                self._ask(remote.remote_host, remote.remote_port + p_rank,
-                          hs.Release(transfer_id), timeout)
+                try:
+                    self._ask(remote.remote_host, remote.remote_port + p_rank,
+                              hs.Release(transfer_id), timeout)
+                except client.PeerGoneError:
+                    continue
         except (hs.HandshakeError, TimeoutError, OSError) as exc:
             # Prefill frees the blocks at lease expiry anyway.
             logger.info("release of %s not acknowledged (%s); the prefill lease frees it",
