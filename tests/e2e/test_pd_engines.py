@@ -17,9 +17,8 @@ import time
 
 import httpx
 import pytest
-import router_standin as rs
+from engines import PROMPTS, complete, deployed, failures, wait_idle
 
-from vllm_flagcx.demo import model as demo_model
 from vllm_flagcx.demo import run as demo_run
 from vllm_flagcx.demo import servers as sv
 from vllm_flagcx.router import proxy
@@ -27,56 +26,10 @@ from vllm_flagcx.router import proxy
 pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
                                 reason="needs the e2e env (a CPU build of vLLM)")
 
-START_TIMEOUT = 900
-PROMPTS = demo_run.PROMPTS
-
-
-class Deployment:
-    def __init__(self, workdir) -> None:
-        model = demo_model.write_model(workdir / "model", "sliding")
-        self.side = rs.free_port()
-        self.prefill, self.decode, self.router = demo_run.deployment(
-            sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
-            self.side)
-        self.model = model
-
-    def restart(self, server: sv.Server) -> None:
-        server.stop()
-        server.start()
-        sv.wait_healthy([server], START_TIMEOUT)
-
-
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    d = Deployment(tmp_path_factory.mktemp("e2e"))
-    with sv.running([d.prefill, d.decode]):
-        sv.wait_healthy([d.prefill, d.decode], START_TIMEOUT)
-        with sv.running([d.router]):
-            sv.wait_healthy([d.router], 60)
-            yield d
-
-
-def complete(url: str, prompt: str, max_tokens: int = 16, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        **extra})
-
-
-def gauge(server: sv.Server, name: str) -> float:
-    return demo_run.metric(server.url, name)
-
-
-def wait_idle(server: sv.Server, timeout: float = 20) -> None:
-    """Every block free and no request left (KV usage 0, nothing running or waiting)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = {n: gauge(server, n) for n in ("vllm:kv_cache_usage_perc",
-                                               "vllm:num_requests_running",
-                                               "vllm:num_requests_waiting")}
-        if not any(state.values()):
-            return
-        assert time.monotonic() < deadline, f"{server.name} not idle: {state}"
-        time.sleep(0.5)
+    with deployed(tmp_path_factory.mktemp("e2e")) as d:
+        yield d
 
 
 def test_pd_greedy_output_equals_monolithic_and_kv_moved(pd):
@@ -148,11 +101,6 @@ def test_vllm_bench_serve_through_the_router(pd, capsys):
         print(f"\nvllm bench serve through the router: {json.dumps(summary)}")
     assert summary["failed"] == 0 and summary["completed"] == 20
     assert out.returncode == 0
-
-
-def failures(server: sv.Server) -> float:
-    return (gauge(server, "vllm:flagcx_failures_handshake_total")
-            + gauge(server, "vllm:flagcx_failures_recv_total"))
 
 
 def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd):

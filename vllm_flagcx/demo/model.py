@@ -67,7 +67,10 @@ def hybrid_config() -> dict:
         "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
         "decoder_sparse_step": 1, "norm_topk_prob": True,
         "mlp_only_layers": list(range(len(layers) - 1)), "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        # Untied, as in Qwen3-Next/Qwen3.6 checkpoints: vLLM 0.22's Qwen3-Next builds its
+        # own lm_head whatever the flag says, and a tied checkpoint (no lm_head.weight)
+        # left it all zeros: every logit 0, greedy token 0, empty outputs.
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
     }
 

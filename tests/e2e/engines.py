@@ -1,0 +1,78 @@
+"""Real engines for the e2e tests: a prefill + decode vLLM pair (CPU build) with
+FlagCXConnector over the same-host transport and the router, on loopback; and the small
+HTTP helpers the tests share. Not a stand-in: ``vllm_flagcx.demo`` starts the real
+``vllm serve`` processes, exactly as README's main job does."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import router_standin as rs
+
+from vllm_flagcx.demo import model as demo_model
+from vllm_flagcx.demo import run as demo_run
+from vllm_flagcx.demo import servers as sv
+
+START_TIMEOUT = 900
+PROMPTS = demo_run.PROMPTS
+
+
+class Deployment:
+    def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "bfloat16") -> None:
+        model = demo_model.write_model(workdir / "model", kind)
+        self.side = rs.free_port()
+        self.prefill, self.decode, self.router = demo_run.deployment(
+            sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
+            self.side, dtype)
+        self.model = model
+
+    def restart(self, server: sv.Server) -> None:
+        server.stop()
+        server.start()
+        sv.wait_healthy([server], START_TIMEOUT)
+
+
+@contextlib.contextmanager
+def deployed(workdir: Path, kind: str = "sliding", dtype: str = "bfloat16"
+             ) -> Iterator[Deployment]:
+    """Start the pair, then the router; stop all three on the way out."""
+    d = Deployment(workdir, kind, dtype)
+    with sv.running([d.prefill, d.decode]):
+        sv.wait_healthy([d.prefill, d.decode], START_TIMEOUT)
+        with sv.running([d.router]):
+            sv.wait_healthy([d.router], 60)
+            yield d
+
+
+def complete(url: str, prompt: str, max_tokens: int = 16, **extra: object
+             ) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        **extra})
+
+
+def gauge(server: sv.Server, name: str) -> float:
+    return demo_run.metric(server.url, name)
+
+
+def wait_idle(server: sv.Server, timeout: float = 20) -> None:
+    """Every block free and no request left (KV usage 0, nothing running or waiting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = {n: gauge(server, n) for n in ("vllm:kv_cache_usage_perc",
+                                               "vllm:num_requests_running",
+                                               "vllm:num_requests_waiting")}
+        if not any(state.values()):
+            return
+        assert time.monotonic() < deadline, f"{server.name} not idle: {state}"
+        time.sleep(0.5)
+
+
+def failures(server: sv.Server) -> float:
+    return (gauge(server, "vllm:flagcx_failures_handshake_total")
+            + gauge(server, "vllm:flagcx_failures_recv_total"))
