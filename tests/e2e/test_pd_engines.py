@@ -103,7 +103,7 @@ def test_vllm_bench_serve_through_the_router(pd, capsys):
     assert out.returncode == 0
 
 
-def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd):
+def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd, capsys):
     """Prefill dies holding KV that decode has not pulled yet (the router's two legs sent by
     hand, so the kill lands exactly between them): decode's pull fails, its blocks are
     reported, vLLM recomputes the prompt on decode, and the answer is still the right one.
@@ -123,7 +123,10 @@ def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd):
                    json=proxy.decode_body(body, params))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected  # recomputed on decode, not garbage
-    assert time.monotonic() - started < 30  # the 5 s handshake timeout, not a hang
+    took = time.monotonic() - started
+    with capsys.disabled():  # the recovery time belongs in the CI log
+        print(f"\nprefill killed between the legs: decode recomputed in {took:.1f} s")
+    assert took < 30  # the 1 s probe of a refused port, not the 40 s + 30 s timeouts
     assert failures(pd.decode) > failed_before
     wait_idle(pd.decode)
 

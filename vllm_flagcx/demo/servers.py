@@ -42,7 +42,7 @@ class Server:
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        out = self.log.open("wb")
+        out = self.log.open("ab")  # a restart keeps the log of the run it replaces
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                      env={**os.environ, **self.env}, start_new_session=True)
         out.close()
