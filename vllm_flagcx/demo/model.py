@@ -136,10 +136,13 @@ def _hybrid_weights(config: dict) -> dict:
     """Transformers' own Qwen3-Next parameters (names, shapes, GDN's A_log/dt_bias/conv
     init), with every matrix redrawn from the seed at unit gain like the Llama weights."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
     torch.manual_seed(WEIGHTS_SEED)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    # transformers' own config class, not AutoConfig.for_model: once vLLM 0.20 has loaded
+    # a Qwen3-Next config in this process, the latter no longer gives one that
+    # transformers' modeling code can read (rope_theta missing).
+    hf = AutoModelForCausalLM.from_config(Qwen3NextConfig(**config))
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
     out = {}
     for name, tensor in hf.state_dict().items():
