@@ -76,3 +76,25 @@ def wait_idle(server: sv.Server, timeout: float = 20) -> None:
 def failures(server: sv.Server) -> float:
     return (gauge(server, "vllm:flagcx_failures_handshake_total")
             + gauge(server, "vllm:flagcx_failures_recv_total"))
+
+
+def assert_pd_equals_monolithic(d: Deployment) -> None:
+    """For every demo prompt: the router -> prefill -> decode answer equals prefill's own
+    (plain vLLM, no kv_transfer_params) token for token, bytes arrived at decode, and
+    both engines end idle."""
+    for prompt in PROMPTS:
+        before = demo_run.received(d.decode)
+        via_pd = complete(d.router.url, prompt)
+        assert via_pd.status_code == 200, via_pd.text
+        moved, _ = demo_run.transfer_after(d.decode, before)
+        mono = complete(d.prefill.url, prompt)
+        assert via_pd.json()["choices"][0]["text"] == mono.json()["choices"][0]["text"], prompt
+        assert moved > 0, f"nothing arrived at decode for {prompt[:30]!r}"
+    wait_idle(d.prefill)
+    wait_idle(d.decode)
+
+
+def distinct_outputs(d: Deployment) -> int:
+    """How many different monolithic answers the demo prompts get (the guard that makes
+    the comparison above meaningful: a model that says the same to all shows nothing)."""
+    return len({complete(d.prefill.url, p).json()["choices"][0]["text"] for p in PROMPTS})

@@ -17,9 +17,16 @@ import time
 
 import httpx
 import pytest
-from engines import PROMPTS, complete, deployed, failures, wait_idle
+from engines import (
+    PROMPTS,
+    assert_pd_equals_monolithic,
+    complete,
+    deployed,
+    distinct_outputs,
+    failures,
+    wait_idle,
+)
 
-from vllm_flagcx.demo import run as demo_run
 from vllm_flagcx.demo import servers as sv
 from vllm_flagcx.router import proxy
 
@@ -33,16 +40,7 @@ def pd(tmp_path_factory):
 
 
 def test_pd_greedy_output_equals_monolithic_and_kv_moved(pd):
-    for prompt in PROMPTS:
-        before = demo_run.received(pd.decode)
-        via_pd = complete(pd.router.url, prompt)
-        assert via_pd.status_code == 200, via_pd.text
-        moved, _ = demo_run.transfer_after(pd.decode, before)
-        mono = complete(pd.prefill.url, prompt)  # prefill alone = plain vLLM
-        assert via_pd.json()["choices"][0]["text"] == mono.json()["choices"][0]["text"]
-        assert moved > 0, f"no KV arrived at decode for {prompt[:30]!r}"
-    wait_idle(pd.prefill)
-    wait_idle(pd.decode)
+    assert_pd_equals_monolithic(pd)
 
 
 def test_connector_counters_show_the_bytes(pd):
@@ -55,8 +53,7 @@ def test_connector_counters_show_the_bytes(pd):
 def test_outputs_depend_on_the_prompt(pd):
     """Guards the comparison above: with this model different prompts decode differently,
     so equal PD and monolithic outputs mean the transferred KV was the right one."""
-    texts = {complete(pd.prefill.url, p).json()["choices"][0]["text"] for p in PROMPTS}
-    assert len(texts) == len(PROMPTS)
+    assert distinct_outputs(pd) == len(PROMPTS)
 
 
 def test_streaming_through_the_router(pd):

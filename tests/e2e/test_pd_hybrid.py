@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from engines import PROMPTS, complete, deployed, wait_idle
-
-from vllm_flagcx.demo import run as demo_run
+from engines import PROMPTS, assert_pd_equals_monolithic, deployed, distinct_outputs
 
 pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
                                 reason="needs the e2e env (a CPU build of vLLM)")
@@ -29,20 +27,10 @@ def hybrid(tmp_path_factory):
 
 
 def test_hybrid_pd_greedy_output_equals_monolithic_and_state_moved(hybrid):
-    for prompt in PROMPTS:
-        before = demo_run.received(hybrid.decode)
-        via_pd = complete(hybrid.router.url, prompt)
-        assert via_pd.status_code == 200, via_pd.text
-        moved, _ = demo_run.transfer_after(hybrid.decode, before)
-        mono = complete(hybrid.prefill.url, prompt)
-        assert via_pd.json()["choices"][0]["text"] == mono.json()["choices"][0]["text"], prompt
-        assert moved > 0, f"no KV or state arrived at decode for {prompt[:30]!r}"
-    wait_idle(hybrid.prefill)
-    wait_idle(hybrid.decode)
+    assert_pd_equals_monolithic(hybrid)
 
 
 def test_hybrid_outputs_depend_on_the_prompt(hybrid):
-    """Guards the comparison above: a model that said the same thing to every prompt
-    (as the tied-lm_head checkpoint did: all-zero logits) would make it blind."""
-    texts = {complete(hybrid.prefill.url, p).json()["choices"][0]["text"] for p in PROMPTS}
-    assert len(texts) == len(PROMPTS)
+    """A model that said the same thing to every prompt (as the tied-lm_head checkpoint
+    did: all-zero logits) would make the comparison above blind."""
+    assert distinct_outputs(hybrid) == len(PROMPTS)
