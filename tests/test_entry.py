@@ -80,7 +80,7 @@ def test_transport_selection_by_name(monkeypatch):
 
 
 def test_cpu_binding_warning_names_the_setting_only_when_auto_pinned():
-    from vllm_flagcx.connector.worker import cpu_binding_warning
+    from vllm_flagcx.connector.host_cpus import cpu_binding_warning
 
     hint = cpu_binding_warning({0}, {0, 1}, None, host_memory=True)
     assert hint and "VLLM_CPU_OMP_THREADS_BIND" in hint and "[0]" in hint

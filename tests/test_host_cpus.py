@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from vllm_flagcx.connector.host_cpus import allowed_cpus, parse_cpu_list
-from vllm_flagcx.connector.worker import cpu_binding_warning
+from vllm_flagcx.connector.host_cpus import allowed_cpus, cpu_binding_warning, parse_cpu_list
 
 
 def test_parse_cpu_list_reads_the_kernel_syntax():

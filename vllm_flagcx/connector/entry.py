@@ -249,8 +249,7 @@ class FlagCXConnector(PortableConnectorBase):
         self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
                                      logical_num_blocks=self.kv_cache_config.num_blocks)
         if hasattr(os, "sched_getaffinity"):
-            from vllm_flagcx.connector.host_cpus import allowed_cpus
-            from vllm_flagcx.connector.worker import cpu_binding_warning
+            from vllm_flagcx.connector.host_cpus import allowed_cpus, cpu_binding_warning
 
             hint = cpu_binding_warning(
                 set(os.sched_getaffinity(0)), allowed_cpus(),

@@ -1,8 +1,8 @@
-"""Which CPUs this host lets the engine use, for the CPU-binding hint.
+"""Which CPUs this host lets the engine use, and the CPU-binding hint built on it.
 
 ``os.cpu_count()`` counts the machine; a container limited by a cpuset may use fewer. A
 worker bound by vLLM to *all* the CPUs its container allows is not pinned, so the hint
-(``worker.cpu_binding_warning``) compares against the cgroup's effective cpuset, not the
+(``cpu_binding_warning``) compares against the cgroup's effective cpuset, not the
 machine's count. Pure parsing in ``parse_cpu_list``; file reading in ``allowed_cpus``.
 """
 
@@ -45,3 +45,21 @@ def allowed_cpus(files: tuple[Path, ...] = CPUSET_FILES) -> set[int]:
         if cpus:
             return cpus
     return set(range(os.cpu_count() or 1))
+
+
+def cpu_binding_warning(pinned: set[int], allowed: set[int], bind_setting: str | None,
+                        host_memory: bool) -> str | None:
+    """The operator hint for a CPU-backend worker bound by vLLM's automatic binding.
+
+    ``auto`` binds every engine on a host to the same cores; two engines there (a
+    single-host PD) then share one core for their busy loops, and the side channel starved
+    for seconds to a minute on a 2-core machine. ``allowed``: the CPUs the host lets this
+    engine use (``allowed_cpus``, a container's cpuset). None when nothing
+    suggests a shared core.
+    """
+    if not host_memory or not pinned or pinned >= allowed or (bind_setting or "auto") != "auto":
+        return None
+    return (f"this CPU worker is bound to CPUs {sorted(pinned)} of {len(allowed)} by vLLM's "
+            "automatic binding; if another engine (prefill or decode) runs on this host, "
+            "give each its own CPUs with VLLM_CPU_OMP_THREADS_BIND (e.g. 0-15 and 16-31), "
+            "or their shared cores starve the FlagCX side channel")

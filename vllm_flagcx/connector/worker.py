@@ -31,6 +31,7 @@ import msgspec
 
 from vllm_flagcx.connector import client, integrity, plans
 from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector.host_cpus import allowed_cpus
 from vllm_flagcx.connector.regions import Region, Section, unique_storages
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload, RecvTask, SendTask
 from vllm_flagcx.transport.base import Transport
@@ -62,7 +63,7 @@ class WorkerSettings:
 
 
 def unpin_this_thread() -> None:
-    """Let this side-channel thread run on any CPU of the machine.
+    """Let this side-channel thread run on any CPU this host allows (``allowed_cpus``).
 
     vLLM's CPU worker pins its main thread (and so every thread it starts later) to one
     core shared with its OpenMP compute threads; a side-channel thread there starved for
@@ -72,25 +73,7 @@ def unpin_this_thread() -> None:
     if not hasattr(os, "sched_setaffinity"):
         return
     with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-
-
-def cpu_binding_warning(pinned: set[int], allowed: set[int], bind_setting: str | None,
-                        host_memory: bool) -> str | None:
-    """The operator hint for a CPU-backend worker bound by vLLM's automatic binding.
-
-    ``auto`` binds every engine on a host to the same cores; two engines there (a
-    single-host PD) then share one core for their busy loops, and the side channel starved
-    for seconds to a minute on a 2-core machine. ``allowed``: the CPUs the host lets this
-    engine use (``host_cpus.allowed_cpus``, a container's cpuset). None when nothing
-    suggests a shared core.
-    """
-    if not host_memory or not pinned or pinned >= allowed or (bind_setting or "auto") != "auto":
-        return None
-    return (f"this CPU worker is bound to CPUs {sorted(pinned)} of {len(allowed)} by vLLM's "
-            "automatic binding; if another engine (prefill or decode) runs on this host, "
-            "give each its own CPUs with VLLM_CPU_OMP_THREADS_BIND (e.g. 0-15 and 16-31), "
-            "or their shared cores starve the FlagCX side channel")
+        os.sched_setaffinity(0, allowed_cpus())
 
 
 def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
