@@ -52,21 +52,22 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
     deadline = time.monotonic() + timeout
+    late = f"no answer from {host}:{port} within {timeout:.1f} s"
     try:
         sock.connect(f"tcp://{host}:{port}")
         sock.send(hs.encode(message))
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no answer from {host}:{port} within {timeout:.1f} s")
+                raise TimeoutError(late)
             wait = left if probe_every is None else min(left, probe_every)
             if sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
                 return hs.decode(sock.recv())
             if probe_every is not None and listening(host, port) is False:
                 raise PeerGoneError(f"{host}:{port} refuses connections: the prefill "
                                     "worker that serves it is gone")
-    except zmq.error.Again as exc:
-        raise TimeoutError(f"no answer from {host}:{port} within {timeout:.1f} s") from exc
+    except zmq.error.Again as exc:  # the send itself timed out
+        raise TimeoutError(late) from exc
     except zmq.error.ContextTerminated as exc:  # this worker shuts down under the wait
         raise ConnectionAbortedError(f"asking {host}:{port}: the side channel was closed "
                                      "(shutdown)") from exc

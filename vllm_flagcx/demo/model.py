@@ -161,9 +161,7 @@ def _hybrid_weights(config: dict) -> dict:
             out[name] = _unit_gain(tensor.shape, gen)
         else:
             out[name] = tensor.detach().float().contiguous()
-    if config.get("tie_word_embeddings"):
-        out.pop("lm_head.weight", None)
-    return out
+    return out  # lm_head included: vLLM's Qwen3-Next always loads its own (hybrid_config)
 
 
 def write_model(directory: Path, kind: str = "sliding") -> Path:
