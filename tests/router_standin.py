@@ -125,12 +125,18 @@ def upstream(role: str, **knobs: Any) -> Iterator[Upstream]:
 
 @contextlib.contextmanager
 def side_channel() -> Iterator[tuple[int, list[Any]]]:
-    """A stand-in prefill side channel: acknowledges and records ``Release`` messages."""
+    """A stand-in prefill side channel: records every message, answers a handshake with a
+    fact sheet (engine ``standin-engine``, TP 2) and anything else with an ``Ack``."""
     import zmq
 
     from vllm_flagcx.connector import handshake as hs
 
     port, seen, stop = free_port(), [], threading.Event()
+    layout = hs.LayoutFacts(model="demo", dtype="bfloat16", kv_cache_dtype="auto",
+                            group_kinds=("full",), block_sizes=(16,), kernel_block_sizes=(16,),
+                            page_bytes=(4096,), conv_layout="", num_kv_heads=2)
+    sheet = hs.make_sheet(layout=layout, engine_id="standin-engine", incarnation="1",
+                          tp_size=2, tp_rank=0)
     context = zmq.Context()
     sock = context.socket(zmq.REP)
     sock.bind(f"tcp://127.0.0.1:{port}")
@@ -142,7 +148,10 @@ def side_channel() -> Iterator[tuple[int, list[Any]]]:
             if dict(poller.poll(20)).get(sock):
                 message = hs.decode(sock.recv())
                 seen.append(message)
-                sock.send(hs.encode(hs.Ack(getattr(message, "transfer_id", ""))))
+                if isinstance(message, hs.HandshakeRequest):
+                    sock.send(hs.encode(hs.HandshakeReply(sheet)))
+                else:
+                    sock.send(hs.encode(hs.Ack(getattr(message, "transfer_id", ""))))
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

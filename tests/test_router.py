@@ -111,6 +111,22 @@ def test_decode_refusing_after_prefill_releases_what_prefill_holds():
     assert proxy.counters["released"] == 1
 
 
+def test_concurrent_mode_learns_prefill_by_handshake_and_sends_both_legs():
+    """--mode concurrent asks prefill's side channel for its fact sheet (engine id, TP)
+    before either leg; this path runs with the [router] extras alone (tox -e novllm)."""
+    with rs.side_channel() as (port, seen), rs.upstream("prefill") as p, \
+            rs.upstream("decode") as d:
+        p.side = port
+        with router([p], [d], mode="concurrent") as (url, _proxy):
+            r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+            r2 = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 200 and r2.status_code == 200, r.text
+    params = d.seen[0]["kv_transfer_params"]
+    assert params["remote_engine_id"] == "standin-engine" and params["remote_tp_size"] == 2
+    assert params["remote_port"] == port and params["do_remote_prefill"] is True
+    assert sum(type(m).__name__ == "HandshakeRequest" for m in seen) == 1  # cached
+
+
 def test_client_leaving_during_prefill_cancels_it_and_never_asks_decode():
     with rs.upstream("prefill", delay=3) as p, rs.upstream("decode") as d, \
             router([p], [d]) as (url, proxy):

@@ -14,10 +14,15 @@ _COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help") or args[0] not in _COMMANDS:
-        print("usage: vllm-flagcx COMMAND [ARGS]\n\ncommands:")
+        asked_help = bool(args) and args[0] in ("-h", "--help")
+        if args and not asked_help:
+            print(f"vllm-flagcx: unknown command {args[0]!r}; choose one of: "
+                  f"{', '.join(_COMMANDS)}", file=sys.stderr)
+        print("usage: vllm-flagcx COMMAND [ARGS]\n\ncommands:",
+              file=sys.stdout if asked_help else sys.stderr)
         for name, (_, helptext) in _COMMANDS.items():
-            print(f"  {name:<10} {helptext}")
-        return 0 if args and args[0] in ("-h", "--help") else 2
+            print(f"  {name:<10} {helptext}", file=sys.stdout if asked_help else sys.stderr)
+        return 0 if asked_help else 2
     import importlib
 
     module = importlib.import_module(_COMMANDS[args[0]][0])

@@ -2,7 +2,9 @@
 
 One line per capability: found (and where), or MISSING with what a vendor build must
 provide. That list is the vendor porting checklist; ``docs/porting.md`` is rendered from
-the same tables. Exit status 1 when a capability the connector requires is missing.
+the same tables. Exit status: 0 when every capability the connector requires is found,
+1 when one is missing or no vLLM is installed at all (then it says which builds are
+supported and how to install one).
 """
 
 from __future__ import annotations
@@ -65,17 +67,63 @@ def render(data: dict[str, Any], out: TextIO) -> None:
         out.write(f"\n{len(missing)} required capability(ies) MISSING: {', '.join(missing)}\n")
     else:
         out.write("\nall required capabilities found\n")
+    if data.get("plugins_note"):
+        out.write(f"WARNING: {data['plugins_note']}\n")
+
+
+def no_vllm_report() -> dict[str, Any]:
+    """The report when this Python has no ``vllm`` package: what is supported, how to
+    install it (read from the matrix, the one list of supported builds)."""
+    from vllm_flagcx.matrix import builds
+
+    supported = [{"env": b.env, "version": b.version, "label": b.label, "pin": b.pin}
+                 for b in builds()]
+    newest = supported[-1]["pin"] if supported else "vllm"
+    return {
+        "vllm_version": None,
+        "error": f"no vLLM is installed in this Python ({sys.executable})",
+        "fix": (f"install your platform's vLLM build next to vllm-flagcx (upstream: "
+                f"pip install {newest}; vendor chips: the vendor's build), or run "
+                "`python3 -m tox -e doctor` from a clone, which installs one"),
+        "supported_builds": supported,
+        "plugins_note": _plugins_note(),
+    }
+
+
+def _plugins_note() -> str | None:
+    from vllm_flagcx.compat.plugin import plugins_note
+
+    return plugins_note()
+
+
+def render_no_vllm(data: dict[str, Any], out: TextIO) -> None:
+    out.write(f"{data['error']}.\nsupported vLLM builds:\n")
+    for b in data["supported_builds"]:
+        out.write(f"  {b['version']:<8} {b['label']}  ({b['pin']})\n")
+    out.write(f"fix: {data['fix']}\n")
+    if data["plugins_note"]:
+        out.write(f"note: {data['plugins_note']}\n")
 
 
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     import argparse
+    import importlib.util
 
     parser = argparse.ArgumentParser(prog="vllm-flagcx doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        report = no_vllm_report()
+        if args.json:
+            json.dump(report, out, indent=2)
+            out.write("\n")
+        else:
+            render_no_vllm(report, out)
+        return 1
     # vLLM logs to stdout from its first import; keep stdout for the report alone.
     with contextlib.redirect_stdout(sys.stderr):
         data = collect()
+    data["plugins_note"] = _plugins_note()
     if args.json:
         json.dump(data, out, indent=2)
         out.write("\n")

@@ -9,11 +9,14 @@ ValueError on a duplicate, so we check first, log, and keep theirs.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 
 from vllm_flagcx.compat.probe import resolve
 
 CONNECTOR_NAME = "FlagCXConnector"
 CONNECTOR_MODULE = "vllm_flagcx.connector"
+ENTRY_POINT_NAME = "flagcx_connector"  # [project.entry-points."vllm.general_plugins"]
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -41,3 +44,23 @@ def register() -> bool:
         return False
     factory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     return True
+
+
+def plugins_note(environ: Mapping[str, str] | None = None) -> str | None:
+    """What ``VLLM_PLUGINS`` does to this plugin, when it leaves it out; else None.
+
+    vLLM loads only the general plugins named in ``VLLM_PLUGINS`` (comma-separated) when
+    the variable is set. The design note's ``export VLLM_PLUGINS=fl`` therefore leaves
+    this package's plugin unloaded, and ``"kv_connector": "FlagCXConnector"`` alone then
+    fails ~100 s into engine start with vLLM's "Unsupported connector type"."""
+    env = os.environ if environ is None else environ
+    if "VLLM_PLUGINS" not in env:
+        return None
+    allowed = env["VLLM_PLUGINS"].split(",")
+    if ENTRY_POINT_NAME in allowed:
+        return None
+    return (f"VLLM_PLUGINS={env['VLLM_PLUGINS']!r} leaves out this package's plugin "
+            f"{ENTRY_POINT_NAME!r}, so vLLM does not know the name {CONNECTOR_NAME!r}; "
+            f"fix: add it (VLLM_PLUGINS={env['VLLM_PLUGINS']},{ENTRY_POINT_NAME}), unset "
+            f"VLLM_PLUGINS, or pass \"kv_connector_module_path\": \"{CONNECTOR_MODULE}\" "
+            "in --kv-transfer-config")

