@@ -42,10 +42,15 @@ def ensure_base(base: Path, requirements: Path = DEFAULT_REQUIREMENTS) -> Path:
     digest = _digest(requirements)
     if not (stamp.exists() and stamp.read_text() == digest and _python(base).exists()):
         started = time.monotonic()
-        print(f"ensure_base: building shared base at {base}", flush=True)
+        pins = [ln for ln in requirements.read_text().splitlines()
+                if ln.strip() and not ln.lstrip().startswith(("#", "-"))]
+        print(f"ensure_base: building shared base at {base}: {len(pins)} pinned packages "
+              f"from {requirements.name} (a few GB; minutes; pip lists each one)", flush=True)
         creator = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([creator, "-m", "venv", "--clear", str(base)], check=True)
-        subprocess.run([str(_python(base)), "-m", "pip", "install", "--quiet",
+        # Not --quiet: a silent multi-minute install looked like a hang (one line per
+        # package is the progress; the progress bar would flood CI logs).
+        subprocess.run([str(_python(base)), "-m", "pip", "install", "--progress-bar", "off",
                         "--disable-pip-version-check", "-r", str(requirements)], check=True)
         stamp.write_text(digest)
         print(f"ensure_base: base ready in {time.monotonic() - started:.0f} s", flush=True)

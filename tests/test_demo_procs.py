@@ -171,3 +171,31 @@ def test_engine_env_drops_harness_settings_and_can_hide_amx(monkeypatch):
     assert sv.engine_cpu_isa_env("auto") == {}
     with pytest.raises(sv.DemoError, match="cpu_isa='amx'"):
         sv.engine_cpu_isa_env("amx")
+
+
+def test_hide_amx_reaches_the_engine_and_the_processes_it_spawns():
+    """The engine env's sitecustomize replaces the very function vLLM asks
+    (``torch.cpu._is_amx_tile_supported``) in the engine process and in a child it starts
+    with multiprocessing's spawn (as vLLM starts its engine core), so the check holds on a
+    machine without AMX too: it looks at which function answers, not at the answer."""
+    code = textwrap.dedent("""
+        import multiprocessing as mp
+        import torch.cpu
+
+        def where(_=None):
+            import torch.cpu
+            fn = torch.cpu._is_amx_tile_supported
+            return fn.__code__.co_filename, fn()
+
+        if __name__ == "__main__":
+            with mp.get_context("spawn").Pool(1) as pool:
+                print(where(), pool.apply(where))
+    """)
+    env = sv.child_env(sv.engine_cpu_isa_env("vec"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    if "No module named 'torch'" in out.stderr:
+        pytest.skip("torch is not installed in this env")
+    assert out.returncode == 0, out.stderr[-2000:]
+    hidden = str(sv.HIDE_AMX_PATH / "sitecustomize.py")
+    assert out.stdout.count(f"('{hidden}', False)") == 2, out.stdout
