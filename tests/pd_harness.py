@@ -28,6 +28,7 @@ from vllm_flagcx.compat.topology import head_range
 from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
 from vllm_flagcx.connector.regions import ConvSplit
+from vllm_flagcx.connector.scheduler import reports_failures_per_request
 from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
 
 KV_HEADS, HEAD_DIM, BLOCK = 2, 256, 16
@@ -98,6 +99,23 @@ def dense_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2,
     return kv_cache.make_kv_cache_config(
         num_blocks=num_blocks, groups=[(names, spec)],
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
+
+
+SLIDING_WINDOW = 32  # tokens: 2 blocks, so prompts of 100+ tokens leave it far behind
+
+
+def sliding_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2) -> Any:
+    """Sliding-window + full attention (2 KV cache groups under HMA, Gemma/Mistral style):
+    layer 0 full, the rest sliding, each layer its own tensor."""
+    heads = max(1, KV_HEADS // tp)
+    common = dict(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM,
+                  dtype=torch.bfloat16)
+    full = kv_cache.make_full_attention_spec(**common)
+    sliding = kv_cache.make_full_attention_spec(**common, sliding_window=SLIDING_WINDOW)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    return kv_cache.make_kv_cache_config(
+        num_blocks=num_blocks, groups=[(names[:1], full), (names[1:], sliding)],
+        tensors=[(full.page_size_bytes * num_blocks, [n]) for n in names])
 
 
 MLA_HEAD = 576  # kv_lora_rank 512 + rope 64, DeepSeek-style latent
@@ -195,9 +213,14 @@ class Instance:
     outputs: list[Any] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)
     entry: EntryWorkers | None = None
+    # request id -> the block ids (per group) of each time it was scheduled as new
+    scheduled_blocks: dict[str, list[Any]] = field(default_factory=dict)
 
     def step(self) -> None:
         out = self.scheduler.schedule()
+        for new in out.scheduled_new_reqs:
+            self.scheduled_blocks.setdefault(new.req_id, []).append(
+                [list(g) for g in new.block_ids])
         meta = out.kv_connector_metadata
         payload = getattr(meta, "payload", None)
         if payload is not None:
@@ -219,7 +242,8 @@ class Instance:
         kv_out = make_connector_output(
             finished_sending=done_s or None, finished_recving=done_r or None,
             **load_failure_fields(failed=failed_now, invalid_blocks=invalid,
-                                  num_groups=len(self.ranks[0].config.kv_cache_groups),
+                                  per_request=reports_failures_per_request(
+                                      kv_cache.group_facts(self.ranks[0].config)),
                                   worker_meta=FlagCXWorkerMetadata(failed_now)))
         self.outputs.append(self.scheduler.update_from_output(
             out, harness.model_output(out, kv_connector_output=kv_out)))
@@ -268,6 +292,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
     config.parallel_config.tensor_parallel_size = tp
     if model == "mla":
         rank_config = mla_rank_kv_cache_config(tp, num_blocks)
+    elif model == "sliding":
+        rank_config = sliding_rank_kv_cache_config(tp, num_blocks)
     elif hybrid:
         rank_config = rank_kv_cache_config(tp, num_blocks, conv_layout=conv_layout)
     else:

@@ -124,9 +124,15 @@ def dense_kv_cache_config(num_blocks: int = 64, block_size: int = 16,
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 
 
+def scheduler_class() -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
 def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
     """The real v1 Scheduler over a given KVCacheConfig."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+    Scheduler = scheduler_class()
     from vllm.v1.structured_output import StructuredOutputManager
 
     block_size = min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)

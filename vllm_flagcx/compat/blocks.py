@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY, optional
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY, optional, resolve
 
 
 def null_block_id() -> int:
@@ -109,3 +110,33 @@ def require_hybrid_async_load(is_consumer: bool, kv_cache_config: Any) -> None:
             f"KV cache group only, and this model has {len(kv_cache_config.kv_cache_groups)}"
             " (hybrid attention/Mamba). Run the decode (kv_consumer) instance on vLLM >= "
             "0.20; a prefill (kv_producer) instance on this build works.")
+
+
+def require_mamba_align_accepts_remote_loads(is_consumer: bool, vllm_config: Any,
+                                             kv_cache_config: Any) -> None:
+    """Refuse a decode role for a hybrid model with prefix caching where vLLM asserts.
+
+    With prefix caching on, vLLM runs Mamba layers in ``mamba_cache_mode="align"``, and
+    0.22's ``Scheduler._mamba_block_aligned_split`` asserts that no external tokens arrive
+    ("External KV connector is not verified yet"): the first remote load killed the
+    engine. 0.34 dropped the assertion. Read from the scheduler's source (no other trace).
+    """
+    from vllm_flagcx.compat.kv_cache import has_mamba_groups
+
+    cache = getattr(vllm_config, "cache_config", None)
+    if (not is_consumer or kv_cache_config is None or not has_mamba_groups(kv_cache_config)
+            or getattr(cache, "mamba_cache_mode", "none") != "align"):
+        return
+    method = getattr(resolve("Scheduler"), "_mamba_block_aligned_split", None)
+    try:
+        source = inspect.getsource(method) if method is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    if "num_external_computed_tokens == 0" in source:
+        raise HybridRemoteLoadUnsupported(
+            "FlagCXConnector (decode): prefix caching is on for a hybrid (Mamba/GDN) model, "
+            "so vLLM runs mamba_cache_mode='align', and this build's scheduler asserts that "
+            "no KV arrives from a connector in that mode (_mamba_block_aligned_split: "
+            "'External KV connector is not verified yet'); the first transfer would kill "
+            "the engine. Start the decode instance with --no-enable-prefix-caching, or use "
+            "vLLM >= 0.34 for decode.")

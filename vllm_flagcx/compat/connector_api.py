@@ -95,7 +95,7 @@ def make_connector_output(**fields: Any) -> Any:
     return cls(**{k: v for k, v in fields.items() if k in names})
 
 
-def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], num_groups: int,
+def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], per_request: bool,
                         worker_meta: Any) -> dict[str, Any]:
     """KVConnectorOutput fields that report failed receives in a way vLLM can act on.
 
@@ -105,7 +105,7 @@ def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], num_group
     """
     from vllm_flagcx.compat.probe import FEATURES_BY_KEY
 
-    if num_groups <= 1:
+    if not per_request:  # connector.scheduler.reports_failures_per_request
         return {"invalid_block_ids": set(invalid_blocks)}
     mode = FEATURES_BY_KEY["hybrid_load_failure_report"].probe()
     if mode == "failed_recving":

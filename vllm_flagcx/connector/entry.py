@@ -21,6 +21,7 @@ from vllm_flagcx.compat.blocks import (
     hma_state,
     require_hma_for_mamba,
     require_hybrid_async_load,
+    require_mamba_align_accepts_remote_loads,
 )
 from vllm_flagcx.compat.connector_api import (
     FlagCXPromMetrics,
@@ -33,10 +34,12 @@ from vllm_flagcx.compat.connector_api import (
     transfer_results,
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
+from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
 from vllm_flagcx.connector.scheduler import (
     FlagCXMetadataPayload,
     SchedulerHalf,
     SchedulerSettings,
+    reports_failures_per_request,
 )
 
 logger = logging.getLogger("vllm_flagcx")
@@ -138,6 +141,8 @@ class FlagCXConnector(PortableConnectorBase):
         require_hma_for_mamba(vllm_config, kv_cache_config)
         require_hybrid_async_load(bool(vllm_config.kv_transfer_config.is_kv_consumer),
                                   kv_cache_config)
+        require_mamba_align_accepts_remote_loads(
+            bool(vllm_config.kv_transfer_config.is_kv_consumer), vllm_config, kv_cache_config)
         self.is_scheduler = role_is_scheduler(role)
         ktc = vllm_config.kv_transfer_config
         self._extra = lambda key, default=None: compat_config.extra_config(ktc, key, default)
@@ -149,11 +154,25 @@ class FlagCXConnector(PortableConnectorBase):
         self.scheduler: SchedulerHalf | None = None
         self.worker: Any = None
         if self.is_scheduler:
+            # vLLM's Scheduler is constructing us: find it now (compat.recovery says why).
+            recovery = LoadFailureRecovery(find_owning_scheduler())
             self.scheduler = SchedulerHalf(SchedulerSettings(
                 engine_id=self.engine_id,
                 side_channel_host=str(self._extra("side_channel_host", "127.0.0.1")),
                 side_channel_port=self.side_channel_port, tp_size=self.tp_size,
-                lease_seconds=float(self._extra("lease_seconds", 30.0))), kv_cache_config)
+                lease_seconds=float(self._extra("lease_seconds", 30.0))), kv_cache_config,
+                recovery)
+            if (bool(ktc.is_kv_consumer) and self.scheduler.has_sliding
+                    and recovery.mode is None):
+                raise RuntimeError(
+                    "FlagCXConnector (decode): this vLLM build gives a connector no way to "
+                    "recompute a failed KV load over a clean block table (no "
+                    "KVConnectorOutput.failed_recving, and Scheduler."
+                    "_update_waiting_for_remote_kv does not free failed loads, or the "
+                    "scheduler was not found), and this model has sliding-window layers, "
+                    "where a recompute over the loaded blocks gives wrong output. Run this "
+                    "instance as kv_role=kv_producer, or use vLLM >= 0.18 for decode. "
+                    "Run `vllm-flagcx doctor`.")
             log_capabilities_once(vllm_config, self.engine_id,
                                   [g.kind.value for g in self.scheduler.groups])
         self._metadata_payload: FlagCXMetadataPayload | None = None
@@ -282,16 +301,22 @@ class FlagCXConnector(PortableConnectorBase):
     def _num_groups(self) -> int:
         return len(self.kv_cache_config.kv_cache_groups) if self.kv_cache_config else 1
 
+    def _per_request_failures(self) -> bool:
+        """``scheduler.reports_failures_per_request`` for this instance's groups."""
+        groups = compat_kv.group_facts(self.kv_cache_config) if self.kv_cache_config else []
+        return reports_failures_per_request(groups)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Failed blocks, for single-group models (vLLM maps them back to requests only
         there); hybrids report failed requests instead (worker meta / failed_recving)."""
         if self.worker is None:
             return set()
         blocks = self.worker.get_block_ids_with_load_errors()
-        return blocks if self._num_groups() == 1 else set()
+        return set() if self._per_request_failures() else blocks
 
     def build_connector_worker_meta(self) -> Any:
-        if self.worker is None or self._num_groups() == 1 or not self.worker.failed_last_step:
+        if (self.worker is None or not self._per_request_failures()
+                or not self.worker.failed_last_step):
             return None
         return FlagCXWorkerMetadata(self.worker.failed_last_step)
 
@@ -299,7 +324,7 @@ class FlagCXConnector(PortableConnectorBase):
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             sending, recving = self.get_finished(finished_req_ids)
             failed = (self.worker.failed_last_step
-                      if self.worker is not None and self._num_groups() > 1 else set())
+                      if self.worker is not None and self._per_request_failures() else set())
             return transfer_results(sending or set(), recving or set(), failed)
 
     # ---------------------------------------------------------------- stats

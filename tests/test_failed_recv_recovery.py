@@ -1,0 +1,147 @@
+"""A failed receive recomputes from a clean block table, for every KV cache group kind.
+
+Real vLLM Schedulers (prefill and decode) with FlagCXConnector, the connector's workers,
+a stand-in transport (``transport_standin``). For each model (sliding-window + full
+attention, the GDN hybrid, dense), each failure decode can meet (prefill unreachable, a
+write that fails, an integrity failure, an expired lease) and prefix caching on and off,
+at prompt lengths beyond the sliding window: every decode request finishes; when it is
+scheduled to recompute, no group's block table holds the null block (before the fix, the
+sliding group's out-of-window entries were already the null block, the prompt was
+recomputed over them, and a second pass tripped vLLM's ``can_fit_full_sequence``
+assertion); both schedulers end empty; a second pass runs clean.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pd_harness as pd
+import pytest
+import vllm_harness as harness
+from transport_standin import Faults
+
+from vllm_flagcx.compat.blocks import strip_null_blocks
+from vllm_flagcx.compat.config import failure_policy
+from vllm_flagcx.compat.recovery import NATIVE, SCHEDULER_FAILED_SET, recovery_probe
+
+FAILURES = {
+    "prefill_unreachable": dict(d_port_shift=1, lease=2.0),
+    "write_fails": dict(p_faults=Faults(fail_write_from=0)),
+    "integrity_check_fails": dict(p_faults=Faults(silent_skip_from=0)),
+    "lease_expired": dict(lease=0.3, d_delay=0.8),
+}
+PROMPTS = [130, 37]  # 130 tokens: 9 blocks, window 32 tokens (2 blocks)
+
+
+def _run_twice(model, prefix_caching, p_faults=None, d_port_shift=0, lease=30.0,
+               d_delay=0.0):
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model=model, faults=p_faults,
+                          lease_seconds=lease, num_blocks=64)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model=model, recv_timeout=3.0, seed=1,
+                          num_blocks=64, prefix_caching=prefix_caching)
+    passes = []
+    try:
+        for _ in range(2):
+            records = pd.run_prefill(p, PROMPTS)
+            if d_delay:
+                import time
+
+                time.sleep(d_delay)
+            pd.run_decode(p, d, records, remote_port_shift=d_port_shift,
+                          hasher=harness.block_hasher(pd.BLOCK) if prefix_caching else None)
+            passes.append(records)
+        return p, d, passes
+    except BaseException:
+        p.shutdown()
+        d.shutdown()
+        raise
+
+
+def _recovery_supported() -> bool:
+    return recovery_probe() in (NATIVE, SCHEDULER_FAILED_SET)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache",
+                                                                "prefix-cache"])
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+@pytest.mark.parametrize("model", ["sliding", "hybrid", "dense"])
+def test_failed_receive_recomputes_over_a_clean_block_table(model, failure, prefix_caching):
+    if model != "dense" and not _recovery_supported():
+        pytest.skip("this build has no request-level recovery; decode of multi-group "
+                    "models is refused here (test_refusals)")
+    if model == "hybrid" and prefix_caching:
+        pytest.skip("hybrid + prefix caching on decode: see "
+                    "test_hybrid_prefix_caching_decode_is_refused_where_vllm_asserts")
+    p, d, passes = _run_twice(model, prefix_caching, **FAILURES[failure])
+    # vLLM's kv_load_failure_policy ("fail" is 0.22+'s default) applies where vLLM itself
+    # handles the failure: block-level reports (dense) and 0.34's failed_recving. 0.18-0.22
+    # have no request-level fail path for a connector: there the request recomputes.
+    policy = failure_policy(d.scheduler.vllm_config.kv_transfer_config)
+    fails = policy == "fail" and (model == "dense" or recovery_probe() == NATIVE)
+    try:
+        finished = pd.finished_ids(d)
+        for records in passes:
+            for rec in records.values():
+                assert rec["d_req"] in finished, (failure, rec)
+                if fails:
+                    assert finished[rec["d_req"]] == "error", (failure, finished)
+                    continue
+                assert finished[rec["d_req"]] != "error", (failure, finished)
+                schedules = d.scheduled_blocks.get(rec["d_req"], [])
+                assert schedules, f"{rec['d_req']} was never scheduled"
+                for groups in schedules:
+                    for g, ids in enumerate(groups):
+                        assert strip_null_blocks(ids) == ids, (
+                            f"{model}/{failure}: group {g} of {rec['d_req']} recomputed "
+                            f"over the null block: {ids}")
+        failures = sum(sum(w.ledger.counts.values()) for w in d.workers)
+        assert failures == sum(len(r) for r in passes)
+        assert not pd.busy(p) and not pd.busy(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_sliding_model_transfer_still_moves_the_window():
+    """The control: without a failure the same model's requests load their KV (no
+    recompute), so the test above exercises the failure path, not a model that never
+    loads."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="sliding", num_blocks=64)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="sliding", num_blocks=64)
+    try:
+        records = pd.run_pd(p, d, PROMPTS)
+        assert all(rec["d_req"] in pd.finished_ids(d) for rec in records.values())
+        assert sum(sum(w.ledger.counts.values()) for w in d.workers) == 0
+        assert sum(w.stats["recv_bytes"] for w in d.workers) > 0
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_hybrid_prefix_caching_decode_is_refused_where_vllm_asserts():
+    """0.22's scheduler asserts on remote loads in mamba_cache_mode="align" (what prefix
+    caching selects for hybrid models): a decode instance is refused at startup naming the
+    flag; builds without the assertion start (and prefill is never refused)."""
+    from vllm_flagcx.compat.blocks import HybridRemoteLoadUnsupported
+
+    def build(role):
+        config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True, kv_role=role,
+                                          prefix_caching=True,
+                                          extra_config={"side_channel_port": pd.free_port()})
+        if not hasattr(config.cache_config, "mamba_cache_mode"):
+            pytest.skip("this build has no mamba_cache_mode")
+        config.cache_config.mamba_cache_mode = "align"  # what vLLM picks with prefix caching
+        return harness.make_scheduler(config, harness.hybrid_kv_cache_config())
+
+    scheduler_cls = harness.scheduler_class()
+    asserts = "num_external_computed_tokens == 0" in inspect.getsource(
+        scheduler_cls._mamba_block_aligned_split) if hasattr(
+        scheduler_cls, "_mamba_block_aligned_split") else False
+    build("kv_producer").shutdown()
+    if asserts:
+        with pytest.raises(HybridRemoteLoadUnsupported, match="--no-enable-prefix-caching"):
+            build("kv_consumer")
+    else:
+        build("kv_consumer").shutdown()

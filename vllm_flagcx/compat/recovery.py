@@ -1,0 +1,104 @@
+"""A failed receive re-enters vLLM through vLLM's own failure path, per build.
+
+What must happen (vLLM 0.34's ``_handle_failed_recving`` does exactly this): the request's
+``num_computed_tokens`` goes to 0 and its id joins the scheduler's
+``failed_recving_kv_req_ids``; when the request is promoted, vLLM's
+``_update_waiting_for_remote_kv`` then FREES its blocks instead of caching them, and the
+next schedule allocates a clean block table (local prefix hits included) and recomputes.
+
+What must not happen: ``num_computed_tokens = 0`` alone. The request then takes the
+SUCCESS branch over the blocks allocated for the load, and for a sliding-window group
+those already had their out-of-window entries replaced by the shared null block
+(``remove_skipped_blocks`` runs inside ``allocate_slots``): the prompt was recomputed
+over null blocks (wrong text, HTTP 200), then vLLM's ``can_fit_full_sequence`` assertion
+killed the engine (measured on 0.20.2 and 0.22.0).
+
+How, per build:
+- ``native``: ``KVConnectorOutput.failed_recving`` exists (0.34+); vLLM handles it.
+- ``scheduler_failed_set``: 0.18-0.22 have the scheduler's set and the freeing branch but
+  no request-level report for a connector. The connector holds a weak reference to the
+  ``Scheduler`` that constructed it (found on the call stack of its ``__init__``: vLLM
+  gives a connector no handle on its scheduler) and does what 0.34 does, from
+  ``update_connector_output``, which vLLM calls before it reads ``finished_recving``.
+- absent: neither; the connector refuses a decode role where a recompute over allocated
+  blocks would be wrong (sliding-window groups).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import weakref
+from typing import Any
+
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
+
+NATIVE = "native"
+SCHEDULER_FAILED_SET = "scheduler_failed_set"
+
+
+def find_owning_scheduler(max_depth: int = 24) -> Any | None:
+    """The vLLM scheduler whose construction is running the caller (a frame walk up to
+    ``max_depth`` frames; None when none is found, e.g. a connector built by hand)."""
+    try:
+        from vllm.v1.core.sched.interface import SchedulerInterface
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, SchedulerInterface):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _frees_failed_loads(scheduler_cls: Any) -> bool:
+    """Does this build's ``_update_waiting_for_remote_kv`` free the blocks of a request in
+    ``failed_recving_kv_req_ids`` whose computed tokens are 0? (read from its source: no
+    other trace of this behaviour exists)."""
+    method = getattr(scheduler_cls, "_update_waiting_for_remote_kv", None)
+    try:
+        source = inspect.getsource(method) if method is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "failed_recving_kv_req_ids" in source and "kv_cache_manager.free(" in source
+
+
+def recovery_mode(scheduler: Any | None) -> str | None:
+    """``native``, ``scheduler_failed_set`` or None (see the module docstring)."""
+    if FEATURES_BY_KEY["hybrid_load_failure_report"].probe() == "failed_recving":
+        return NATIVE
+    if scheduler is not None and _frees_failed_loads(type(scheduler)):
+        return SCHEDULER_FAILED_SET
+    return None
+
+
+def recovery_probe() -> str:
+    """Probe label for the porting checklist (no scheduler instance needed)."""
+    if FEATURES_BY_KEY["hybrid_load_failure_report"].probe() == "failed_recving":
+        return NATIVE
+    return SCHEDULER_FAILED_SET if _frees_failed_loads(resolve("Scheduler")) else "absent"
+
+
+class LoadFailureRecovery:
+    """Sends a failed receive down vLLM's own failure path (see the module docstring)."""
+
+    def __init__(self, scheduler: Any | None) -> None:
+        self.mode = recovery_mode(scheduler)
+        self._scheduler = weakref.ref(scheduler) if scheduler is not None else None
+
+    def recompute(self, request: Any) -> bool:
+        """Mark ``request`` (still waiting for its KV) to recompute from a clean block
+        table; False when this build or state offers no such path (nothing changed)."""
+        if self.mode != SCHEDULER_FAILED_SET or self._scheduler is None:
+            return False
+        scheduler = self._scheduler()
+        failed = getattr(scheduler, "failed_recving_kv_req_ids", None)
+        if failed is None or getattr(request.status, "name", "") != "WAITING_FOR_REMOTE_KVS":
+            return False  # finished or aborted meanwhile: finished_recving frees it
+        request.num_computed_tokens = 0
+        failed.add(request.request_id)
+        return True
