@@ -173,7 +173,7 @@ def test_engine_env_drops_harness_settings_and_can_hide_amx(monkeypatch):
         sv.engine_cpu_isa_env("amx")
 
 
-def test_hide_amx_reaches_the_engine_and_the_processes_it_spawns():
+def test_hide_amx_reaches_the_engine_and_the_processes_it_spawns(tmp_path):
     """The engine env's sitecustomize replaces the very function vLLM asks
     (``torch.cpu._is_amx_tile_supported``) in the engine process and in a child it starts
     with multiprocessing's spawn (as vLLM starts its engine core), so the check holds on a
@@ -192,7 +192,9 @@ def test_hide_amx_reaches_the_engine_and_the_processes_it_spawns():
                 print(where(), pool.apply(where))
     """)
     env = sv.child_env(sv.engine_cpu_isa_env("vec"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    script = tmp_path / "engine_like.py"  # a file: spawn re-imports the main module
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=300, env=env)
     if "No module named 'torch'" in out.stderr:
         pytest.skip("torch is not installed in this env")

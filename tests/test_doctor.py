@@ -60,4 +60,7 @@ def test_cli_usage(argv, capsys):
     from vllm_flagcx import cli
 
     assert cli.main(argv) == 2
-    assert "doctor" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "doctor" in captured.err  # usage errors go to stderr
+    if argv:
+        assert f"unknown command {argv[0]!r}" in captured.err

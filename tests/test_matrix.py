@@ -21,7 +21,7 @@ def test_tox_envs_equal_matrix_builds():
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(REPO / "tox.ini")
     env_list = [e.strip() for e in tox["tox"]["env_list"].split(",")]
-    assert env_list == ["lint", *[b.env for b in builds()], "e2e", "bench"]
+    assert env_list == ["lint", *[b.env for b in builds()], "novllm", "e2e", "bench"]
     e2e = e2e_settings()
     for env in ("e2e", "demo"):
         section = tox[f"testenv:{env}"]
