@@ -277,7 +277,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    peer_ttl: float = 300.0, via_entry: bool = False,
                    prefix_caching: bool = False, transport: str | None = None,
                    kernel_ratio: int = 1, verify_integrity: bool = True,
-                   extra: dict | None = None) -> Instance:
+                   extra: dict | None = None, test_faults: bool = False) -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
@@ -340,7 +340,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                            lease_seconds=lease_seconds,
                                            recv_timeout=recv_timeout,
                                            handshake_timeout=2.0, peer_ttl=peer_ttl,
-                                           verify_integrity=verify_integrity),
+                                           verify_integrity=verify_integrity,
+                                           test_faults=test_faults),
                             MemmoveTransport(faults))
         worker.register_regions(regions, serve=role == "kv_producer",
                                 logical_num_blocks=caches.config.num_blocks)

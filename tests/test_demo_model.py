@@ -25,7 +25,31 @@ def test_hybrid_checkpoint_carries_its_own_lm_head():
     assert not head.equal(weights["model.embed_tokens.weight"])
 
 
-def test_sliding_checkpoint_stays_tied():
-    config = demo_model.model_config("sliding")
-    assert config["tie_word_embeddings"] is True
-    assert "lm_head.weight" not in demo_model.weights(config)
+@pytest.mark.parametrize("kind", ["sliding", "dense"])
+def test_llama_checkpoints_are_untied(kind):
+    config = demo_model.model_config(kind)
+    weights = demo_model.weights(config)
+    assert config["tie_word_embeddings"] is False
+    assert tuple(weights["lm_head.weight"].shape) == (config["vocab_size"],
+                                                      config["hidden_size"])
+
+
+@pytest.mark.parametrize("kind", ["sliding", "dense"])
+def test_greedy_output_depends_on_the_context_not_only_the_last_token(kind):
+    """The guard behind every PD == monolithic check on these models: twelve contexts
+    that end in the same token must not all predict the same next token (the tied model
+    did: it repeated the last token whatever came before, i.e. whatever the KV held)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = demo_model.model_config(kind)
+    hf_config = transformers.LlamaConfig(**config)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.load_state_dict(demo_model.weights(config), strict=False)
+    gen = torch.Generator().manual_seed(0)
+    predictions = set()
+    with torch.no_grad():
+        for _ in range(12):
+            context = torch.randint(2, config["vocab_size"], (200,), generator=gen)
+            ids = torch.cat([context, torch.tensor([77])])[None]
+            predictions.add(int(model(ids).logits[0, -1].argmax()))
+    assert len(predictions) >= 6, predictions

@@ -23,12 +23,12 @@ PROMPTS = demo_run.PROMPTS
 
 
 class Deployment:
-    def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "bfloat16") -> None:
+    def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "float32") -> None:
         model = demo_model.write_model(workdir / "model", kind)
         self.side = rs.free_port()
         self.prefill, self.decode, self.router = demo_run.deployment(
             sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
-            self.side, dtype)
+            self.side, dtype, test_faults=True)
         self.model = model
 
     def restart(self, server: sv.Server) -> None:
@@ -38,7 +38,7 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def deployed(workdir: Path, kind: str = "sliding", dtype: str = "bfloat16"
+def deployed(workdir: Path, kind: str = "sliding", dtype: str = "float32"
              ) -> Iterator[Deployment]:
     """Start the pair, then the router; stop all three on the way out."""
     d = Deployment(workdir, kind, dtype)
@@ -98,3 +98,28 @@ def distinct_outputs(d: Deployment) -> int:
     """How many different monolithic answers the demo prompts get (the guard that makes
     the comparison above meaningful: a model that says the same to all shows nothing)."""
     return len({complete(d.prefill.url, p).json()["choices"][0]["text"] for p in PROMPTS})
+
+
+def assert_corrupted_kv_changes_the_answer(d: Deployment, prompts: tuple[str, ...]) -> None:
+    """The negative control: the router's two legs by hand, decode told to corrupt the
+    first received block (``corrupt_block``) or to skip the pull (``drop_all``): its
+    greedy answer must then differ from the monolithic one, or the request fail. If it
+    still matched, PD == monolithic could not tell right KV from wrong."""
+    from vllm_flagcx.connector.fault_knobs import FAULTS, PARAM
+    from vllm_flagcx.router import proxy
+
+    for fault in FAULTS:
+        for i, prompt in enumerate(prompts):
+            body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            expected = complete(d.prefill.url, prompt).json()["choices"][0]["text"]
+            leg = httpx.post(d.prefill.url + "/v1/completions", timeout=120,
+                             json=proxy.prefill_body(body, f"negative-{fault}-{i}"))
+            params = {**leg.json()["kv_transfer_params"], PARAM: fault}
+            r = httpx.post(d.decode.url + "/v1/completions", timeout=120,
+                           json=proxy.decode_body(body, params))
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["text"] != expected, (
+                    f"{fault}: decode gave the monolithic answer on wrong KV for "
+                    f"{prompt[:30]!r}: the comparison is blind")
+    wait_idle(d.prefill)
+    wait_idle(d.decode)

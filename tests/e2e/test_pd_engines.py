@@ -19,6 +19,7 @@ import httpx
 import pytest
 from engines import (
     PROMPTS,
+    assert_corrupted_kv_changes_the_answer,
     assert_pd_equals_monolithic,
     complete,
     deployed,
@@ -147,3 +148,7 @@ def test_decode_killed_errors_releases_prefill_and_recovers_after_restart(pd):
     pd.restart(pd.decode)
     assert complete(pd.router.url, PROMPTS[2]).status_code == 200
     wait_idle(pd.decode)
+
+
+def test_negative_control_corrupted_or_missing_kv_changes_the_answer(pd):
+    assert_corrupted_kv_changes_the_answer(pd, PROMPTS)

@@ -14,7 +14,13 @@ from __future__ import annotations
 import os
 
 import pytest
-from engines import PROMPTS, assert_pd_equals_monolithic, deployed, distinct_outputs
+from engines import (
+    PROMPTS,
+    assert_corrupted_kv_changes_the_answer,
+    assert_pd_equals_monolithic,
+    deployed,
+    distinct_outputs,
+)
 
 pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
                                 reason="needs the e2e env (a CPU build of vLLM)")
@@ -34,3 +40,7 @@ def test_hybrid_outputs_depend_on_the_prompt(hybrid):
     """A model that said the same thing to every prompt (as the tied-lm_head checkpoint
     did: all-zero logits) would make the comparison above blind."""
     assert distinct_outputs(hybrid) == len(PROMPTS)
+
+
+def test_negative_control_corrupted_or_missing_kv_changes_the_answer(hybrid):
+    assert_corrupted_kv_changes_the_answer(hybrid, PROMPTS)

@@ -249,7 +249,8 @@ class FlagCXConnector(PortableConnectorBase):
             lease_seconds=lease,
             skip_compat_hash=not bool(self._extra("enforce_handshake_compat", True)),
             verify_integrity=bool(self._extra("verify_integrity", True)),
-            host_memory=host_memory)
+            host_memory=host_memory,
+            test_faults=str(self._extra("test_faults", False)).lower() == "true")
         return WorkerHalf(settings, transport)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

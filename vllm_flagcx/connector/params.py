@@ -26,6 +26,7 @@ class RemotePrefill:
     remote_tp_size: int
     remote_engine_id: str
     remote_block_sizes: tuple[int, ...]
+    test_fault: str = ""  # connector.fault_knobs (tests only; checked by the worker)
 
 
 def _require(params: Mapping[str, Any], key: str, kind: type, fix: str) -> Any:
@@ -65,7 +66,11 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
         raise TransferParamsError("kv_transfer_params.remote_block_sizes must be a list of "
                                   f"positive ints, got {sizes!r}; {_FROM_PREFILL}")
-    return RemotePrefill(transfer_id, host, port, tp, engine, tuple(sizes))
+    fault = params.get("flagcx_test_fault", "")
+    if not isinstance(fault, str):
+        raise TransferParamsError("kv_transfer_params.flagcx_test_fault must be a string "
+                                  "(tests only)")
+    return RemotePrefill(transfer_id, host, port, tp, engine, tuple(sizes), fault)
 
 
 def remote_prefill_params(*, transfer_id: str, host: str, port: int, tp_size: int,

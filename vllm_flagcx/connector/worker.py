@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_flagcx.connector import client, integrity, plans
+from vllm_flagcx.connector import client, fault_knobs, integrity, plans
 from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector.host_cpus import allowed_cpus
 from vllm_flagcx.connector.regions import Region, Section, unique_storages
@@ -59,6 +59,7 @@ class WorkerSettings:
     peer_probe_seconds: float = 1.0  # while waiting on prefill, check it still listens
     verify_integrity: bool = True  # checksum a sample of every transfer
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
+    test_faults: bool = False  # honour kv_transfer_params.flagcx_test_fault (tests only)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
 
 
@@ -281,6 +282,17 @@ class WorkerHalf:
         remote = task.remote
         started = time.monotonic()
         try:
+            fault = fault_knobs.requested_fault({fault_knobs.PARAM: remote.test_fault},
+                                                self.settings.test_faults)
+        except fault_knobs.FaultKnobError as exc:
+            self._fail_after_release(task, flat, str(exc))
+            return
+        if fault == "drop_all":
+            self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
+            with self._lock:
+                self._done_recving.add(task.request_id)
+            return
+        try:
             p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
             hs.check_compatible(self.sheet, p_sheet, skip_hash=self.settings.skip_compat_hash)
         except (hs.HandshakeError, TimeoutError, OSError) as exc:
@@ -317,6 +329,9 @@ class WorkerHalf:
                         "did not land"))
                     return
             total += reply.num_bytes
+        if fault == "corrupt_block":
+            fault_knobs.corrupt_first_block(self.regions, task.block_ids,
+                                            self.settings.host_memory)
         with self._lock:
             self._done_recving.add(task.request_id)
             self.stats["recv_bytes"] += total

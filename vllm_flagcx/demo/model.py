@@ -4,7 +4,12 @@ No hub access: the weights are drawn from a fixed seed here (vLLM's ``--load-for
 dummy`` draws them so small that every prompt decodes to the same tokens, which would make
 a PD-vs-monolithic comparison blind), scaled to keep activations O(1) so greedy output
 depends on every token of the prompt. Prefill, decode and the monolithic engine load the
-same file, so their greedy outputs are comparable token for token. The layer mix gives
+same file, so their greedy outputs are comparable token for token. The Llama models are
+untied, with embeddings drawn small (``EMBED_SCALE``) and a high-gain head
+(``HEAD_GAIN``): tied to unit-scale embeddings, the residual stream was the last token's
+own embedding and greedy output repeated it whatever the KV (`' is is is'`), so PD ==
+monolithic held with wrong KV too (``tests/test_demo_model.py`` guards this). The layer
+mix gives
 vLLM's hybrid KV cache manager two KV cache groups (sliding-window and full attention),
 which is what the connector has to move per group. head_dim 64: the CPU attention kernel
 rejects 16.
@@ -18,6 +23,8 @@ from typing import Any
 
 VOCAB_SIZE = 512
 SLIDING_WINDOW = 64
+EMBED_SCALE = 0.1  # attention and MLP outputs, which read the context, dominate the residual
+HEAD_GAIN = 16.0  # wide logit margins: greedy picks survive kernel rounding differences
 CORPUS = """\
 The prefill instance computes the prompt, the decode instance generates the answer.
 A KV connector moves the cache between them. One hundred plus one hundred is two hundred.
@@ -37,7 +44,7 @@ def model_config(kind: str = "sliding") -> dict:
         "vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512,
         "num_hidden_layers": len(layers), "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
     }
     if kind == "hybrid":
@@ -107,7 +114,7 @@ def weights(config: dict) -> dict:
         return _unit_gain((out, inp), gen)
 
     out = {"model.embed_tokens.weight": torch.randn(config["vocab_size"], hidden,
-                                                    generator=gen),
+                                                    generator=gen) * EMBED_SCALE,
            "model.norm.weight": torch.ones(hidden)}
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
@@ -122,6 +129,7 @@ def weights(config: dict) -> dict:
             prefix + "input_layernorm.weight": torch.ones(hidden),
             prefix + "post_attention_layernorm.weight": torch.ones(hidden),
         }
+    out["lm_head.weight"] = _unit_gain((config["vocab_size"], hidden), gen) * HEAD_GAIN
     return out
 
 

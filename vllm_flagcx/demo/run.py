@@ -34,11 +34,16 @@ PROMPTS = (
 )
 
 
-def kv_config(role: str, side_channel_port: int) -> dict[str, Any]:
+def kv_config(role: str, side_channel_port: int, test_faults: bool = False
+              ) -> dict[str, Any]:
+    """``test_faults``: decode honours ``kv_transfer_params.flagcx_test_fault`` (the e2e
+    tests' negative controls; ``connector.fault_knobs``)."""
+    extra: dict[str, Any] = {"transport": "local", "side_channel_port": side_channel_port}
+    if test_faults:
+        extra["test_faults"] = True
     return {"kv_connector": "FlagCXConnector", "kv_role": role,
             "kv_connector_module_path": "vllm_flagcx.connector",
-            "kv_connector_extra_config": {"transport": "local",
-                                          "side_channel_port": side_channel_port}}
+            "kv_connector_extra_config": extra}
 
 
 def metric(url: str, name: str) -> float:
@@ -78,7 +83,8 @@ def transfer_after(decode: sv.Server, before: tuple[float, float]) -> tuple[floa
 
 def deployment(python: str, model: Path, workdir: Path, router_port: int, prefill_port: int,
                decode_port: int, side_channel_port: int, dtype: str = "bfloat16",
-               cpu_isa: str = "vec") -> tuple[sv.Server, sv.Server, sv.Server]:
+               cpu_isa: str = "vec", test_faults: bool = False
+               ) -> tuple[sv.Server, sv.Server, sv.Server]:
     """(prefill, decode, router) servers, not started. Prefix caching is off on prefill so
     its monolithic answers never reuse KV from an earlier transfer. Each engine gets its own
     half of the machine's CPUs (``servers.split_cpus``) and the same CPU kernel path
@@ -89,7 +95,8 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
                              ["--no-enable-prefix-caching"], cpus=prefill_cpus, dtype=dtype,
                              cpu_isa=cpu_isa)
     decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
-                            kv_config("kv_consumer", side_channel_port), cpus=decode_cpus,
+                            kv_config("kv_consumer", side_channel_port, test_faults),
+                            cpus=decode_cpus,
                             dtype=dtype, cpu_isa=cpu_isa)
     router = sv.router_server(python, router_port, workdir / "router.log", [prefill],
                               [decode], side_channel_port)

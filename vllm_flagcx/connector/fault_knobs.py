@@ -1,0 +1,59 @@
+"""Test-only faults on decode's receive: the negative controls of the PD == monolithic
+checks (a check that cannot fail is a defect).
+
+Off unless the decode instance sets ``kv_connector_extra_config.test_faults: true``; a
+request then asks for one with ``kv_transfer_params.flagcx_test_fault``:
+
+- ``corrupt_block``: after a pull that succeeded (integrity check included), overwrite
+  the request's first block in every region of its first KV cache group (host memory).
+- ``drop_all``: skip the pull and report it done: decode runs on whatever its blocks held.
+
+Either must make decode's greedy output differ from the monolithic one (or fail the
+request); the e2e tests assert that, per model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+PARAM = "flagcx_test_fault"
+FAULTS = ("corrupt_block", "drop_all")
+GARBAGE_BYTE = 0x3C  # bf16 0x3C3C ~ 0.0115, fp32 ~ 0.0115: finite, and wrong
+
+
+class FaultKnobError(ValueError):
+    """A fault asked for that is unknown, or asked where faults are off."""
+
+
+def requested_fault(params: Mapping[str, Any], enabled: bool) -> str:
+    """The fault ``params`` ask for ("" for none); refuses one asked where they are off."""
+    fault = params.get(PARAM, "")
+    if not fault:
+        return ""
+    if not enabled:
+        raise FaultKnobError(f"kv_transfer_params.{PARAM} is set but this decode instance "
+                             "does not allow test faults (kv_connector_extra_config."
+                             "test_faults=true, tests only)")
+    if fault not in FAULTS:
+        raise FaultKnobError(f"kv_transfer_params.{PARAM}={fault!r}: use one of {FAULTS}")
+    return str(fault)
+
+
+def corrupt_first_block(regions: Sequence[Any], block_ids: Sequence[Sequence[int]],
+                        host_memory: bool) -> int:
+    """Overwrite block ``block_ids[0][0]`` in every region of group 0; bytes written."""
+    if not host_memory:
+        raise FaultKnobError("corrupt_block needs host KV caches (CPU engines)")
+    if not block_ids or not block_ids[0]:
+        return 0
+    block = block_ids[0][0]
+    written = 0
+    for region in regions:
+        if region.group != 0 or not 0 <= block < region.num_blocks:
+            continue
+        ctypes.memset(region.base + block * region.block_stride, GARBAGE_BYTE,
+                      region.block_bytes)
+        written += region.block_bytes
+    return written
