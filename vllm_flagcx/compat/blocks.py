@@ -108,8 +108,9 @@ def require_hybrid_async_load(is_consumer: bool, kv_cache_config: Any) -> None:
         raise HybridRemoteLoadUnsupported(
             "FlagCXConnector: this vLLM build's scheduler completes remote KV loads for ONE "
             f"KV cache group only, and this model has {len(kv_cache_config.kv_cache_groups)}"
-            " (hybrid attention/Mamba). Run the decode (kv_consumer) instance on vLLM >= "
-            "0.20; a prefill (kv_producer) instance on this build works.")
+            " (attention + Mamba/GDN, or sliding-window + full attention). Run the decode "
+            "(kv_consumer) instance on vLLM >= 0.20; a prefill (kv_producer) instance on "
+            "this build works.")
 
 
 def require_mamba_align_accepts_remote_loads(is_consumer: bool, vllm_config: Any,
