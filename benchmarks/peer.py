@@ -60,4 +60,4 @@ def layout_facts() -> Any:
                           block_sizes=(L.BLOCK_TOKENS,) * L.NUM_GROUPS,
                           kernel_block_sizes=(L.BLOCK_TOKENS,) * L.NUM_GROUPS,
                           page_bytes=(L.PAGE * L.TP,) * L.NUM_GROUPS, conv_layout="DS",
-                          num_kv_heads=L.KV_HEADS)
+                          num_kv_heads=L.KV_HEADS, cache_format="FLASH_ATTN:layout=HND")

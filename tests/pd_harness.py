@@ -277,7 +277,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    peer_ttl: float = 300.0, via_entry: bool = False,
                    prefix_caching: bool = False, transport: str | None = None,
                    kernel_ratio: int = 1, verify_integrity: bool = True,
-                   extra: dict | None = None, test_faults: bool = False) -> Instance:
+                   extra: dict | None = None, test_faults: bool = False,
+                   cache_format: str = "CPU_ATTN:isa=vec:layout=HND") -> Instance:
     hybrid = model == "hybrid"
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
@@ -334,7 +335,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
             block_sizes=tuple(g.block_size for g in groups),
             kernel_block_sizes=tuple(g.block_size // kernel_ratio for g in groups),
             page_bytes=model_page_bytes(regions, len(groups)), conv_layout=conv_layout,
-            num_kv_heads=KV_HEADS)
+            num_kv_heads=KV_HEADS, cache_format=cache_format)
         worker = WorkerHalf(WorkerSettings(engine_id=role, tp_rank=rank, tp_size=tp,
                                            layout=layout, side_channel_port=port,
                                            lease_seconds=lease_seconds,

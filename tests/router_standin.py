@@ -134,7 +134,8 @@ def side_channel() -> Iterator[tuple[int, list[Any]]]:
     port, seen, stop = free_port(), [], threading.Event()
     layout = hs.LayoutFacts(model="demo", dtype="bfloat16", kv_cache_dtype="auto",
                             group_kinds=("full",), block_sizes=(16,), kernel_block_sizes=(16,),
-                            page_bytes=(4096,), conv_layout="", num_kv_heads=2)
+                            page_bytes=(4096,), conv_layout="", num_kv_heads=2,
+                            cache_format="CPU_ATTN:isa=vec:layout=HND")
     sheet = hs.make_sheet(layout=layout, engine_id="standin-engine", incarnation="1",
                           tp_size=2, tp_rank=0)
     context = zmq.Context()

@@ -56,3 +56,41 @@ def test_kv_layout(dense_config, matrix_build):
 def test_required_layout_name():
     assert attention.required_kv_layout_name(is_mla=False) == "HND"
     assert attention.required_kv_layout_name(is_mla=True) is None
+
+
+def test_cache_format_names_the_cpu_isa_so_an_amx_vec_pair_is_refused(monkeypatch):
+    """vLLM's CPU attention pre-packs its cache on AMX (same shapes, other byte order):
+    measured, a prefill with AMX hidden and a decode with AMX moved 3 MB, passed the
+    integrity check and answered wrong. The format is read the way vLLM picks the ISA
+    (bf16, block 32), and a pair that differs is refused naming the field and both
+    values."""
+    import torch
+
+    from vllm_flagcx.compat.attention import cache_format
+    from vllm_flagcx.connector import handshake as hs
+
+    config = harness.make_vllm_config(block_size=32)
+    layers = ["model.layers.0.self_attn.attn"]
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    vec = cache_format(config, layers, 32, 64)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    amx = cache_format(config, layers, 32, 64)
+    assert "unknown" not in vec and "layout=" in vec
+    if "isa=" not in vec:
+        pytest.skip(f"this build's CPU attention has no ISA choice ({vec})")
+    assert "isa=vec" in vec and "isa=amx" in amx
+
+    def sheet(fmt: str, engine: str) -> hs.FactSheet:
+        layout = hs.LayoutFacts(model="m", dtype="bfloat16", kv_cache_dtype="auto",
+                                group_kinds=("full_attention",), block_sizes=(32,),
+                                kernel_block_sizes=(32,), page_bytes=(8192,),
+                                conv_layout="", num_kv_heads=2, cache_format=fmt)
+        return hs.make_sheet(layout=layout, engine_id=engine, incarnation="1", tp_size=1,
+                             tp_rank=0)
+
+    with pytest.raises(hs.HandshakeError) as refused:
+        hs.check_compatible(sheet(vec, "decode-engine"), sheet(amx, "prefill-engine"))
+    message = str(refused.value)
+    assert "cache_format" in message and vec in message and amx in message
+    assert "decode-engine" in message and "prefill-engine" in message
+    hs.check_compatible(sheet(vec, "decode-engine"), sheet(vec, "prefill-engine"))

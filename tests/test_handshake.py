@@ -19,7 +19,8 @@ from vllm_flagcx.connector.params import (
 LAYOUT = hs.LayoutFacts(model="Qwen/Qwen3.6-35B-A3B", dtype="bfloat16",
                         kv_cache_dtype="fp8_e4m3", group_kinds=("full_attention", "mamba"),
                         block_sizes=(528, 528), kernel_block_sizes=(16, 528),
-                        page_bytes=(270336, 270336), conv_layout="SD", num_kv_heads=2)
+                        page_bytes=(270336, 270336), conv_layout="SD", num_kv_heads=2,
+                        cache_format="FLASH_ATTN:stride=0,1,2,3,4:layout=HND")
 
 
 def _sheet(layout=LAYOUT, **kw):
@@ -52,7 +53,7 @@ def test_mismatch_names_field_and_both_values(field, value):
 
 def test_protocol_version_checked_even_with_escape_hatch():
     old = msgspec.structs.replace(_sheet(), protocol_version=0)
-    with pytest.raises(hs.HandshakeError, match="protocol_version: local 1, remote 0"):
+    with pytest.raises(hs.HandshakeError, match="protocol_version: local 2, remote 0"):
         hs.check_compatible(_sheet(), old, skip_hash=True)
 
 
@@ -120,3 +121,12 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_siz
 def test_arbitrary_params_never_crash_elsewhere(params):
     with contextlib.suppress(TransferParamsError):
         parse_remote_prefill(params)
+
+
+def test_unknown_cache_format_is_refused_never_guessed():
+    unknown = msgspec.structs.replace(LAYOUT, cache_format=hs.UNKNOWN_FORMAT)
+    with pytest.raises(hs.HandshakeError, match="cache_format of engine 'p0'"):
+        hs.check_compatible(_sheet(), _sheet(unknown))
+    with pytest.raises(hs.HandshakeError, match="unknown"):
+        hs.check_compatible(_sheet(unknown), _sheet())
+    hs.check_compatible(_sheet(unknown), _sheet(unknown), skip_hash=True)  # the escape hatch

@@ -81,3 +81,60 @@ def required_kv_layout_name(is_mla: bool) -> str | None:
     """What ``get_required_kvcache_layout`` should answer: "HND" (accepted on every build,
     an alias of LBHNC on 0.34) for head-sliced transfers, nothing for MLA."""
     return None if is_mla else "HND"
+
+
+def cache_format(vllm_config: Any, layer_names: list[str], block_size: int, head_size: int
+                 ) -> str:
+    """The attention kernel's storage format of these layers, as one comparable string:
+    ``BACKEND[:isa=...][:stride=...][:layout=...]`` per distinct backend, "+"-joined.
+
+    What it captures that tensor shapes do not: vLLM's CPU attention picks an ISA per
+    machine (``amx`` pre-packs the cache: same shape, other byte order; ``vec``,
+    ``vec16``, ``neon``...), GPU backends their own stride order, and the HND/NHD layout.
+    Two instances whose strings differ are refused at the handshake by name; "unknown"
+    (nothing could be read) is refused too, never guessed.
+    """
+    try:
+        backends = current_attn_backends(vllm_config, layer_names)
+    except Exception:  # a vendor build without a readable backend: refused, not guessed
+        return "unknown"
+    layout = kv_layout(vllm_config) or "unresolved"
+    parts = set()
+    for backend in backends:
+        details = [str(backend.get_name())]
+        isa = _cpu_attention_isa(backend, vllm_config, block_size, head_size)
+        if isa:
+            details.append(f"isa={isa}")
+        order = _stride_order(backend)
+        if order:
+            details.append(f"stride={order}")
+        details.append(f"layout={layout}")
+        parts.add(":".join(details))
+    return "+".join(sorted(parts)) or "unknown"
+
+
+def _cpu_attention_isa(backend: Any, vllm_config: Any, block_size: int, head_size: int
+                       ) -> str | None:
+    """The ISA vLLM's CPU attention module picks for this dtype/block/head size (the same
+    call its metadata builder makes), or None for backends without one."""
+    import sys
+
+    module = sys.modules.get(getattr(backend, "__module__", ""), None)
+    pick = getattr(module, "_get_attn_isa", None)
+    if pick is None:
+        return None
+    kwargs = {"dtype": vllm_config.model_config.dtype, "block_size": block_size,
+              "head_size": head_size,
+              "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype)}
+    params = inspect.signature(pick).parameters
+    return str(pick(**{k: v for k, v in kwargs.items() if k in params}))
+
+
+def _stride_order(backend: Any) -> str | None:
+    get = getattr(backend, "get_kv_cache_stride_order", None)
+    if get is None:
+        return None
+    try:
+        return ",".join(str(i) for i in get())
+    except (NotImplementedError, TypeError):
+        return None

@@ -33,6 +33,7 @@ from vllm_flagcx.compat.connector_api import (
     role_is_scheduler,
     transfer_results,
 )
+from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
 from vllm_flagcx.connector.scheduler import (
@@ -235,7 +236,8 @@ class FlagCXConnector(PortableConnectorBase):
                                                                         strict=True)),
             page_bytes=model_page_bytes(regions, len(groups)),
             conv_layout=compat_mamba.conv_state_layout(),
-            num_kv_heads=int(model.get_total_num_kv_heads()))
+            num_kv_heads=int(model.get_total_num_kv_heads()),
+            cache_format=self._cache_format(groups))
         rank = compat_config.tp_rank()
         transport = load_factory(transport_factory_path(self._extra))(vllm_config, rank)
         lease = float(self._extra("lease_seconds", 30.0))
@@ -252,6 +254,18 @@ class FlagCXConnector(PortableConnectorBase):
             host_memory=host_memory,
             test_faults=str(self._extra("test_faults", False)).lower() == "true")
         return WorkerHalf(settings, transport)
+
+    def _cache_format(self, groups: list[Any]) -> str:
+        """``compat.attention.cache_format`` of the attention layers ("none" without)."""
+        from vllm_flagcx.compat.attention import cache_format
+
+        attention = [g for g in groups if g.kind is not SpecKind.MAMBA]
+        if not attention:
+            return "none"
+        spec = self.kv_cache_config.kv_cache_groups[attention[0].index].kv_cache_spec
+        return cache_format(self._vllm_config, [n for g in attention for n in g.layer_names],
+                            int(self._vllm_config.cache_config.block_size),
+                            int(getattr(spec, "head_size", 0)))
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm_flagcx.compat import kv_layout

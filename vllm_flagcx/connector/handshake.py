@@ -15,7 +15,10 @@ import hashlib
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: LayoutFacts.cache_format
+
+
+UNKNOWN_FORMAT = "unknown"
 
 
 class HandshakeError(ValueError):
@@ -57,6 +60,10 @@ class LayoutFacts(msgspec.Struct, frozen=True):
     page_bytes: tuple[int, ...]
     conv_layout: str
     num_kv_heads: int
+    # The attention kernel's storage format: backend, CPU ISA (vLLM's AMX cache is
+    # pre-packed: same shapes, other byte order), stride order and layout
+    # (``compat.attention.cache_format``). Two sides that differ here cannot share bytes.
+    cache_format: str = UNKNOWN_FORMAT
 
 
 class FactSheet(msgspec.Struct, frozen=True):
@@ -172,6 +179,14 @@ def check_compatible(local: FactSheet, remote: FactSheet, *, skip_hash: bool = F
             "release")
     if skip_hash:
         return
+    for side, sheet in (("local", local), ("remote", remote)):
+        if sheet.layout.cache_format in ("", UNKNOWN_FORMAT):
+            raise HandshakeError(
+                f"cache_format of engine {sheet.engine_id!r} ({side}) is unknown: the "
+                "attention kernel's storage format could not be read, and bytes of an "
+                "unknown format are never moved. Run `vllm-flagcx doctor` there (or set "
+                "kv_connector_extra_config.enforce_handshake_compat=false if you know both "
+                "layouts are byte-compatible)")
     expected = compat_hash(remote.layout)
     if remote.compat_hash != expected:
         raise HandshakeError(f"compat_hash of the remote sheet is {remote.compat_hash}, its "
@@ -182,8 +197,9 @@ def check_compatible(local: FactSheet, remote: FactSheet, *, skip_hash: bool = F
         mine, theirs = getattr(local.layout, field), getattr(remote.layout, field)
         if mine != theirs:
             raise HandshakeError(
-                f"incompatible peer {remote.engine_id!r}: {field} is {theirs!r} there and "
-                f"{mine!r} here; start both instances with the same value (or set "
+                f"incompatible peers: {field} is {mine!r} on engine {local.engine_id!r} and "
+                f"{theirs!r} on engine {remote.engine_id!r}; start both instances with the "
+                "same value (or set "
                 "kv_connector_extra_config.enforce_handshake_compat=false if you know the "
                 "layouts are byte-compatible)")
     raise HandshakeError("compat_hash differs but no layout fact does")  # pragma: no cover
