@@ -18,7 +18,7 @@ def _transport(kind: str, library: str | None) -> Any:
 
         from vllm_flagcx.transport.flagcx import FlagCXLibrary, FlagCXTransport
 
-        return FlagCXTransport(FlagCXLibrary(Path(library)))
+        return FlagCXTransport(FlagCXLibrary(Path(library)), rdma_sysfs=None)  # stand-in
     from vllm_flagcx.transport.local import LocalTransport
 
     return LocalTransport()

@@ -2,7 +2,9 @@
 
 The stand-in (tests/flagcx_standin/flagcx_standin.c) exports the same symbols with the same
 semantics (server, region-table exchange, writes by absolute address into the peer
-process); FlagCX itself needs an accelerator runtime and an RDMA NIC.
+process) and answers as the real facade does (-1 for every failure, "Not implemented.",
+version 10000); FlagCX's engine itself needs an RDMA NIC. The real library, built from
+its sources: ``test_flagcx_real.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def libs(tmp_path_factory):
         pytest.skip("needs gcc to build the FlagCX stand-in")
     d = tmp_path_factory.mktemp("flagcx")
     return {"good": _build(d / "libflagcx.so"),
-            "old": _build(d / "libflagcx_old.so", "-DSTANDIN_VERSION=1200"),
+            "release": _build(d / "libflagcx_release.so", "-DOMIT_REGISTER_HOST"),
             "partial": _build(d / "libflagcx_partial.so", "-DOMIT_BATCH_WRITE")}
 
 
@@ -52,17 +54,67 @@ def test_missing_library_and_missing_setting(monkeypatch, tmp_path):
     assert fx.library_path("/explicit.so") == Path("/explicit.so")
 
 
-def test_missing_symbol_names_it_with_versions(libs):
+def test_missing_required_symbol_is_named(libs):
     with pytest.raises(fx.FlagCXLoadError) as err:
         fx.FlagCXLibrary(libs["partial"])
     text = str(err.value)
-    assert "lacks flagcxP2pRpcBatchWriteSync" in text and "FlagCX 0.13.0" in text
-    assert ">= 0.13.0" in text
+    assert "lacks flagcxP2pRpcBatchWriteSync" in text and "v0.13.0" in text
+    assert "flagcxGetVersion 10000 (1.0.0)" in text  # shown as it is, not as a gate
 
 
-def test_old_version_is_refused(libs):
-    with pytest.raises(fx.FlagCXLoadError, match=r"is FlagCX 0\.12\.0; 0\.13\.0 or newer"):
-        fx.FlagCXLibrary(libs["old"])
+def test_release_without_register_host_loads_and_registers_host_memory(libs):
+    """M1: flagcxP2pRpcRegisterHost is in no release; the binding must load one, and use
+    RegisterHost for host caches only where the library has it."""
+    release = fx.FlagCXLibrary(libs["release"])
+    assert release.optional == set()
+    assert release.version == "flagcxGetVersion 10000 (1.0.0)"  # M2: every release says so
+    buf = np.zeros(4096, dtype=np.uint8)
+    t = fx.FlagCXTransport(release, rdma_sysfs=None, host_memory=True)
+    t.register(buf.ctypes.data, buf.size)  # falls back to flagcxP2pRpcRegister
+    t.close()
+    good = fx.FlagCXLibrary(libs["good"])
+    assert good.optional == {"flagcxP2pRpcRegisterHost"}
+    counter = __import__("ctypes").c_int.in_dll(good.lib, "host_registrations")
+    before = counter.value
+    t = fx.FlagCXTransport(good, rdma_sysfs=None, host_memory=True)
+    t.register(buf.ctypes.data, buf.size)
+    assert counter.value == before + 1
+    t.close()
+
+
+def test_no_rdma_device_is_refused_before_the_engine_exists(libs, tmp_path):
+    """M5: with libibverbs and no RDMA device the real engine is created and its first
+    registration segfaults; the transport looks first and names the fix."""
+    with pytest.raises(fx.FlagCXLoadError, match=r"no RDMA device.*transport='local'"):
+        fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]), rdma_sysfs=tmp_path)
+    (tmp_path / "mlx5_0").mkdir()
+    assert fx.require_rdma_device(tmp_path) == ["mlx5_0"]
+    fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]), rdma_sysfs=tmp_path).close()
+
+
+def test_failure_text_says_failed_and_what_was_asked(libs, monkeypatch):
+    """M3: -1 and "Not implemented." for every failure: the message names the call, the
+    memory and the size instead."""
+    monkeypatch.setenv("FLAGCX_STANDIN_REFUSE_REGISTER", "1")
+    t = fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]), rdma_sysfs=None)
+    with pytest.raises(fx.TransportError) as err:
+        t.register(0x1000, 8192)
+    text = str(err.value)
+    assert "flagcxP2pRpcRegister(address 0x1000, 8192 bytes, device memory) failed" in text
+    assert "returned -1" in text and "Not implemented." in text
+    t.close()
+
+
+def test_get_conn_to_a_silent_peer_is_bounded_by_our_timeout(libs, monkeypatch):
+    monkeypatch.setenv("FLAGCX_STANDIN_GETCONN_DELAY", "5")
+    t = fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]), rdma_sysfs=None,
+                           connect_timeout=0.5)
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(fx.TransportError, match="did not answer within"):
+        t.connect(b"127.0.0.1:9")
+    assert time.monotonic() - started < 3
 
 
 def test_importing_the_connector_never_loads_the_library(libs):
@@ -95,7 +147,7 @@ def test_two_processes_write_through_the_binding(libs, decode_process):
     conn, desc, d_base, size = decode_process
     block = 4096
     src_buf = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
-    p = fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]))
+    p = fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]), rdma_sysfs=None)
     p.register(src_buf.ctypes.data, size)
 
     def region(base):
@@ -109,7 +161,7 @@ def test_two_processes_write_through_the_binding(libs, decode_process):
     assert p.write(handle, plan.src, plan.dst, plan.length).ok
     outside = p.write(handle, plan.src[:1], np.array([d_base + size], dtype=np.uint64),
                       plan.length[:1])
-    assert not outside.ok and "outside the peer's registered regions" in outside.error
+    assert not outside.ok and "failed (returned -1" in outside.error
     conn.send("done")
     got = np.frombuffer(conn.recv(), dtype=np.uint8).reshape(-1, block)
     want = src_buf.reshape(-1, block)
@@ -122,11 +174,11 @@ def test_write_failure_is_reported(libs, decode_process, monkeypatch):
     conn, desc, d_base, _ = decode_process
     monkeypatch.setenv("FLAGCX_STANDIN_FAIL_WRITE_FROM", "0")
     src = np.zeros(64, dtype=np.uint8)
-    p = fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]))
+    p = fx.FlagCXTransport(fx.FlagCXLibrary(libs["good"]), rdma_sysfs=None)
     p.register(src.ctypes.data, 64)
     result = p.write(p.connect(desc), np.array([src.ctypes.data], dtype=np.uint64),
                      np.array([d_base], dtype=np.uint64), np.array([64], dtype=np.uint64))
-    assert not result.ok and "flagcxResult 2" in result.error
+    assert not result.ok and "1 descriptors, 64 bytes) failed (returned -1" in result.error
     conn.send("done")
     conn.recv()
     p.close()
@@ -141,10 +193,13 @@ def test_auto_picks_flagcx_only_when_the_library_loads(libs, monkeypatch):
     monkeypatch.delenv("FLAGCX_LIB_PATH", raising=False)
     monkeypatch.delenv("FLAGCX_PATH", raising=False)
     assert transport_factory_path(extra({})).endswith("local:create_transport")
-    good = extra({"flagcx_library": str(libs["good"])})
+    good = extra({"flagcx_library": str(libs["good"]), "flagcx_rdma_check": False})
     assert transport_factory_path(good).endswith("flagcx:create_transport")
-    old = extra({"flagcx_library": str(libs["old"])})
-    assert transport_factory_path(old).endswith("local:create_transport")
+    partial = extra({"flagcx_library": str(libs["partial"]), "flagcx_rdma_check": False})
+    assert transport_factory_path(partial).endswith("local:create_transport")
+    if not fx.rdma_devices():  # no RDMA device here: auto keeps the same-host transport
+        no_rdma = extra({"flagcx_library": str(libs["good"])})
+        assert transport_factory_path(no_rdma).endswith("local:create_transport")
 
 
 @pytest.mark.parametrize("silent_loss", [False, True])
@@ -157,7 +212,7 @@ def test_connector_over_the_flagcx_binding(libs, monkeypatch, silent_loss):
     if silent_loss:
         monkeypatch.setenv("FLAGCX_STANDIN_SILENT_SKIP", "1")
     port = pd.free_port()
-    extra = {"flagcx_library": str(libs["good"])}
+    extra = {"flagcx_library": str(libs["good"]), "flagcx_rdma_check": False}  # stand-in
     p = pd.build_instance("kv_producer", 1, port, model="dense", via_entry=True,
                           transport="flagcx", extra=extra, seed=11)
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", via_entry=True,

@@ -8,8 +8,14 @@
  * region table (and the pid), and BatchWriteSync writes by absolute address into the peer
  * process (process_vm_writev), refusing destinations outside the peer's regions.
  *
+ * It answers like the real facade (flagcx/include/flagcx_p2p.h, v0.13.0 .. main): every
+ * failure returns -1, flagcxGetErrorString says "Not implemented." for every code, and
+ * flagcxGetVersion reports 10000 ("1.0.0", as every release does).
+ *
  * Build knobs: -DSTANDIN_VERSION=N (what flagcxGetVersion reports), -DOMIT_BATCH_WRITE
- * (a library missing a symbol). Fault knobs (environment of the writing process):
+ * (a library missing a required symbol), -DOMIT_REGISTER_HOST (flagcxP2pRpcRegisterHost
+ * absent, as in every release so far). Fault knobs (environment of the calling process):
+ * FLAGCX_STANDIN_GETCONN_DELAY=S sleeps S seconds in GetConn (a dead peer blocks ~25 s),
  * FLAGCX_STANDIN_FAIL_WRITE_FROM=N fails the N-th write on, FLAGCX_STANDIN_REFUSE_REGISTER=1,
  * FLAGCX_STANDIN_SILENT_SKIP=1 returns success without copying (what the real engine does
  * when RDMA slices fail).
@@ -27,7 +33,7 @@
 #include <unistd.h>
 
 #ifndef STANDIN_VERSION
-#define STANDIN_VERSION 1300
+#define STANDIN_VERSION 10000
 #endif
 #define MAX_REGIONS 4096
 
@@ -44,13 +50,8 @@ static int writes_done = 0;
 int flagcxGetVersion(int *version) { *version = STANDIN_VERSION; return 0; }
 
 const char *flagcxGetErrorString(int result) {
-  switch (result) {
-    case 0: return "no error";
-    case 2: return "system error (stand-in)";
-    case 4: return "invalid argument (stand-in)";
-    case 5: return "invalid usage: destination outside the peer's registered regions (stand-in)";
-    default: return "unknown error (stand-in)";
-  }
+  (void)result;
+  return "Not implemented.";
 }
 
 void *flagcxP2pRpcEngineCreate(void) {
@@ -85,7 +86,7 @@ int flagcxP2pRpcStartServer(void *engine) {
   engine_t *e = engine;
   if (e->running) return 0;
   e->running = 1;
-  return pthread_create(&e->thread, NULL, serve, e) ? 2 : 0;
+  return pthread_create(&e->thread, NULL, serve, e) ? -1 : 0;
 }
 
 void flagcxP2pRpcEngineDestroy(void *engine) {
@@ -100,16 +101,20 @@ int flagcxP2pRpcGetPort(void *engine) { return ((engine_t *)engine)->port; }
 
 int flagcxP2pRpcRegister(void *engine, uint64_t addr, uint64_t size, uint64_t *mr_id) {
   engine_t *e = engine;
-  if (getenv("FLAGCX_STANDIN_REFUSE_REGISTER") || e->nregions >= MAX_REGIONS) return 2;
+  if (getenv("FLAGCX_STANDIN_REFUSE_REGISTER") || e->nregions >= MAX_REGIONS) return -1;
   e->regions[e->nregions].addr = addr;
   e->regions[e->nregions].size = size;
   *mr_id = (uint64_t)e->nregions++;
   return 0;
 }
 
+#ifndef OMIT_REGISTER_HOST
+int host_registrations = 0;  /* read by the tests through ctypes */
 int flagcxP2pRpcRegisterHost(void *engine, uint64_t addr, uint64_t size, uint64_t *mr_id) {
+  host_registrations++;
   return flagcxP2pRpcRegister(engine, addr, size, mr_id);
 }
+#endif
 
 static int read_all(int fd, void *buf, size_t n) {
   size_t got = 0;
@@ -123,6 +128,8 @@ static int read_all(int fd, void *buf, size_t n) {
 
 void *flagcxP2pRpcGetConn(void *engine, const char *host_port) {
   (void)engine;
+  const char *delay = getenv("FLAGCX_STANDIN_GETCONN_DELAY");
+  if (delay) sleep((unsigned)atoi(delay));
   char host[256];
   int port = 0;
   if (sscanf(host_port, "%255[^:]:%d", host, &port) != 2) return NULL;
@@ -148,13 +155,13 @@ int flagcxP2pRpcBatchWriteSync(void *conn, int n, const uint64_t *src, const uin
                                const uint64_t *sizes) {
   conn_t *c = conn;
   const char *fail_from = getenv("FLAGCX_STANDIN_FAIL_WRITE_FROM");
-  if (fail_from && writes_done++ >= atoi(fail_from)) return 2;
+  if (fail_from && writes_done++ >= atoi(fail_from)) return -1;
   for (int i = 0; i < n; i++) {
     int inside = 0;
     for (int r = 0; r < c->nregions && !inside; r++)
       inside = dst[i] >= c->regions[r].addr &&
                dst[i] + sizes[i] <= c->regions[r].addr + c->regions[r].size;
-    if (!inside) return 5;
+    if (!inside) return -1;
   }
   if (getenv("FLAGCX_STANDIN_SILENT_SKIP")) return 0;
   for (int start = 0; start < n; start += 1024) {
@@ -167,7 +174,7 @@ int flagcxP2pRpcBatchWriteSync(void *conn, int n, const uint64_t *src, const uin
       local[i].iov_len = remote[i].iov_len = sizes[start + i];
       want += (ssize_t)sizes[start + i];
     }
-    if (process_vm_writev(c->pid, local, m, remote, m, 0) != want) return 2;
+    if (process_vm_writev(c->pid, local, m, remote, m, 0) != want) return -1;
   }
   return 0;
 }

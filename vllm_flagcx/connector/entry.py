@@ -95,12 +95,21 @@ def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[st
                 compat_mamba.conv_state_layout(), group_kinds, engine_id)
 
 
-def flagcx_available(configured_library: str | None = None) -> bool:
-    """True when libflagcx is configured and loads with every symbol and version needed."""
-    from vllm_flagcx.transport.flagcx import FlagCXLibrary, FlagCXLoadError, library_path
+def flagcx_available(configured_library: str | None = None, rdma_check: bool = True
+                     ) -> bool:
+    """True when libflagcx is configured, loads with every symbol the binding calls, and
+    (``rdma_check``) this host has an RDMA device for its P2P engine."""
+    from vllm_flagcx.transport.flagcx import (
+        FlagCXLibrary,
+        FlagCXLoadError,
+        library_path,
+        require_rdma_device,
+    )
 
     try:
         FlagCXLibrary(library_path(configured_library))
+        if rdma_check:
+            require_rdma_device()
     except FlagCXLoadError:
         return False
     return True
@@ -114,7 +123,8 @@ def transport_factory_path(extra: Any) -> str:
         return str(explicit)
     name = str(extra("transport", "auto"))
     if name == "auto":
-        name = "flagcx" if flagcx_available(extra("flagcx_library")) else "local"
+        rdma_check = str(extra("flagcx_rdma_check", True)).lower() != "false"
+        name = "flagcx" if flagcx_available(extra("flagcx_library"), rdma_check) else "local"
     if name not in TRANSPORTS:
         raise ValueError(f"kv_connector_extra_config.transport={name!r} is unknown; use one "
                          f"of {sorted(TRANSPORTS)} or 'auto'")
