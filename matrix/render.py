@@ -193,7 +193,43 @@ def render_porting() -> str:
         rule,
         *rows,
         "",
+        *FLAGCX_FACTS,
     ])
+
+
+# What a vendor porting the connector needs to know about FlagCX itself (read and built
+# from its sources; tests/e2e/test_flagcx_real.py checks the first four on every CI run).
+FLAGCX_FACTS = (
+    "## FlagCX (the data path across hosts)",
+    "",
+    "- **Versions.** The binding calls the `flagcxP2pRpc*` C facade",
+    "  (`flagcx/include/flagcx_p2p.h`), present from FlagCX v0.13.0 on. Capability is read",
+    "  by symbol: every symbol the binding calls is required; `flagcxP2pRpcRegisterHost`",
+    "  (on main, in no release yet) is optional and used for host KV caches where present.",
+    "  `flagcxGetVersion` reports 10000 (\"1.0.0\") in every release: it is shown, never",
+    "  compared.",
+    "- **Errors.** Every facade failure returns -1, and `flagcxGetErrorString` says \"Not",
+    "  implemented.\" for every code; the binding's messages name the call, the peer and",
+    "  the sizes instead. `FLAGCX_DEBUG=INFO` prints FlagCX's own reason.",
+    "- **RDMA is required.** The P2P engine moves bytes over ibverbs only (two processes",
+    "  on one node go through the NIC too). With libibverbs installed and no RDMA device,",
+    "  `flagcxP2pRpcEngineCreate` succeeds and the first `flagcxP2pRpcRegister` segfaults;",
+    "  `StartServer` busy-spins. The transport therefore checks `/sys/class/infiniband`",
+    "  before creating the engine and refuses with the fix; `transport: auto` then picks",
+    "  the same-host transport. `flagcxP2pRpcGetConn` to a dead peer blocks ~25 s: bounded",
+    "  by `handshake_timeout`.",
+    "- **Building.** `make USE_<VENDOR>=1 COMPILE_KERNEL=0 FORCE_DEFAULT_PATH=1` builds",
+    "  everything the connector uses (no device kernels); for NVIDIA it needs the CUDA",
+    "  headers, libcudart, NCCL and (at run time) the driver. CI builds the snapshot in",
+    "  `third_party/flagcx` that way on a CPU machine, with a stand-in for the driver",
+    "  only (`tests/flagcx_real.py`).",
+    "- **Silent slice loss.** `flagcxP2pRpcBatchWriteSync` can return 0 when RDMA slices",
+    "  failed, and it stores descriptor sizes in 32 bits (the binding splits descriptors",
+    "  at 4 GiB - 4096). Decode's integrity check (`verify_integrity`, on by default:",
+    "  a checksum over a sample of descriptor tails, compared with prefill's) turns a",
+    "  silent loss into a failed request that vLLM recomputes.",
+    "",
+)
 
 
 OUTPUTS = {"tox.ini": render_tox, "docs/porting.md": render_porting}
