@@ -67,9 +67,19 @@ def _nccl_home() -> Path:
     return wheel
 
 
-def prepare(root: Path) -> dict[str, Path]:
+def _real_driver() -> Path:
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/local/nvidia/lib64", "/usr/lib64",
+                   "/usr/local/cuda/lib64/stubs"):
+        for name in ("libcuda.so.1", "libcuda.so"):
+            if (Path(folder) / name).exists():
+                return Path(folder) / name
+    raise BuildUnavailable("no CUDA driver (libcuda.so.1) on this machine")
+
+
+def prepare(root: Path, driver_standin: bool = True) -> dict[str, Path]:
     """Lay out DEVICE_HOME and CCL_HOME the Makefile expects under ``root``: headers and
-    libraries linked from the wheels, the driver stand-in compiled next to them."""
+    libraries linked from the wheels, the driver stand-in compiled next to them (or, on a
+    GPU machine, ``driver_standin=False``: the real driver linked there)."""
     for tool in ("g++", "gcc", "make"):
         if shutil.which(tool) is None:
             raise BuildUnavailable(f"{tool} is not installed")
@@ -88,24 +98,27 @@ def prepare(root: Path) -> dict[str, Path]:
                 if not (folder / name).exists():
                     (folder / name).symlink_to(lib)
     driver = ccl / "lib" / "libcuda.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(driver),
-                    str(DRIVER_STANDIN)], check=True, timeout=120)
+    if driver_standin:
+        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                        str(driver), str(DRIVER_STANDIN)], check=True, timeout=120)
+    elif not driver.exists():
+        driver.symlink_to(_real_driver())
     for folder in (device / "lib64", ccl / "lib"):
         if not (folder / "libcuda.so").exists():
             (folder / "libcuda.so").symlink_to(driver)
     return {"device": device, "ccl": ccl}
 
 
-def build(cache: Path, timeout: float = 1500) -> Path:
+def build(cache: Path, timeout: float = 1500, driver_standin: bool = True) -> Path:
     """``libflagcx.so`` built from the snapshot under ``cache`` (reused when present)."""
     if not SNAPSHOT.exists():
         raise BuildUnavailable(f"{SNAPSHOT} is missing")
     digest = hashlib.sha256(SNAPSHOT.read_bytes() + DRIVER_STANDIN.read_bytes()).hexdigest()
-    root = cache / digest[:16]
+    root = cache / (digest[:16] + ("" if driver_standin else "-driver"))
     lib = root / "FlagCX" / "build" / "lib" / "libflagcx.so"
     if lib.exists():
         return lib
-    homes = prepare(root)
+    homes = prepare(root, driver_standin)
     with tarfile.open(SNAPSHOT) as tar:
         tar.extractall(root, filter="data")
     jobs = str(max(1, len(os.sched_getaffinity(0))))
