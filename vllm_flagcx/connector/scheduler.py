@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,8 +117,20 @@ class SchedulerHalf:
         self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3)
 
     # -------------------------------------------------------------------- decode side
-    def _remote(self, request: Any) -> RemotePrefill | None:
+    def _params(self, request: Any) -> Mapping[str, Any]:
+        """The request's ``kv_transfer_params`` when they are an object; anything else
+        (reachable through ``vllm_xargs``) is ignored with a warning, never a crash."""
         params = request.kv_transfer_params
+        if params is None or isinstance(params, Mapping):
+            return params or {}
+        self.rejected_params += 1
+        logger.warning("request %s: kv_transfer_params must be an object, got %s; ignored "
+                       "(computed locally)", request.request_id, type(params).__name__)
+        request.kv_transfer_params = None
+        return {}
+
+    def _remote(self, request: Any) -> RemotePrefill | None:
+        params = self._params(request)
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
@@ -131,7 +144,7 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
+        params = self._params(request)
         if params.get("do_remote_decode") and self.has_mamba:
             compat_mamba.truncate_for_prefill(request, self.hash_block_size)
         if self._remote(request) is None:
@@ -181,7 +194,7 @@ class SchedulerHalf:
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
+        params = self._params(request)
         waiting = self._waiting_recv.pop(request.request_id, None)
         self._local_hit.pop(request.request_id, None)
         self._recv_requests.pop(request.request_id, None)

@@ -63,6 +63,27 @@ class WorkerSettings:
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
 
 
+MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
+MAX_TP = 1024
+
+
+def pull_problem(pull: hs.PullRequest, num_groups: int) -> str:
+    """What makes a pull unservable before any plan is made ("" when nothing): the
+    receiver's TP rank and size, the group count and the block ids it names (a pull
+    crosses a process boundary: its fields are untrusted)."""
+    sheet = pull.sheet
+    if not 1 <= sheet.tp_size <= MAX_TP or not 0 <= sheet.tp_rank < sheet.tp_size:
+        return (f"receiver tp_rank {sheet.tp_rank} / tp_size {sheet.tp_size} is not a TP "
+                "position")
+    if len(pull.block_ids) != num_groups:
+        return f"{len(pull.block_ids)} block-id groups named, this model has {num_groups}"
+    if pull.offsets and len(pull.offsets) != num_groups:
+        return f"{len(pull.offsets)} offsets named, this model has {num_groups} groups"
+    if any(b < 0 or b >= 1 << 31 for group in pull.block_ids for b in group):
+        return "a block id outside 0 .. 2**31"
+    return ""
+
+
 def unpin_this_thread() -> None:
     """Let this side-channel thread run on any CPU this host allows (``allowed_cpus``).
 
@@ -404,14 +425,29 @@ class WorkerHalf:
         try:
             while not self._stop.is_set():
                 if dict(poller.poll(20)).get(sock):
-                    ident, _, data = sock.recv_multipart()
-                    reply = self._handle(ident, data)
-                    if reply is not None:
-                        sock.send_multipart([ident, b"", hs.encode(reply)])
+                    self._serve_one(sock)
                 for ident, reply in self._serve_parked():
                     sock.send_multipart([ident, b"", hs.encode(reply)])
         finally:
             sock.close()
+
+    def _serve_one(self, sock: Any) -> None:
+        """One message from the side channel; nothing a peer sends may end the server
+        thread (a malformed frame list or any error is answered or dropped, and counted)."""
+        frames = sock.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"":
+            self.stats["malformed_messages"] += 1
+            return  # not a REQ envelope: nobody to answer
+        ident, _, data = frames
+        try:
+            reply = self._handle(ident, data)
+        except Exception as exc:  # a bug or a hostile message: answer, keep serving
+            self.stats["malformed_messages"] += 1
+            logger.warning("FlagCX side channel: message refused: %s: %s",
+                           type(exc).__name__, exc)
+            reply = hs.HandshakeRefused(f"refused: {type(exc).__name__}")
+        if reply is not None:
+            sock.send_multipart([ident, b"", hs.encode(reply)])
 
     def _handle(self, ident: bytes, data: bytes) -> hs.Message | None:
         try:
@@ -441,7 +477,13 @@ class WorkerHalf:
                     self._done_sending.add(armed.task.request_id)
             return hs.Ack(message.transfer_id)
         if isinstance(message, hs.PullRequest):
+            problem = pull_problem(message, len(self.settings.layout.block_sizes))
+            if problem:
+                return hs.PullReply(message.transfer_id, False, problem)
             with self._lock:
+                if len(self._parked) >= MAX_PARKED_PULLS:
+                    return hs.PullReply(message.transfer_id, False,
+                                        f"more than {MAX_PARKED_PULLS} pulls wait here")
                 self._parked.append((ident, message,
                                      time.monotonic() + self.settings.lease_seconds))
             return None
@@ -481,7 +523,7 @@ class WorkerHalf:
                 return hs.PullReply(pull.transfer_id, True)
             handle = self._connection(pull.sheet)
             result = self.transport.write(handle, plan.src, plan.dst, plan.length)
-        except (hs.HandshakeError, plans.PlanError, OSError, RuntimeError) as exc:
+        except Exception as exc:  # whatever a pull names, the transfer ends and is freed
             self._connections.pop(pull.sheet.incarnation, None)
             self._finish_pull(armed, pull, failed=True)
             return hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,122 @@
+"""No message can end prefill's side-channel server, and a pull's untrusted fields are
+checked before any plan is made (real prefill worker and side channel over loopback,
+real vLLM Scheduler); decode's scheduler survives ``kv_transfer_params`` that are not an
+object."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pd_harness as pd
+import vllm_harness as harness
+import zmq
+
+from vllm_flagcx.connector import client
+from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector import worker as wk
+
+
+def _ask(port: int, message: hs.Message) -> hs.Message:
+    return client.ask(zmq.Context.instance(), "127.0.0.1", port, message, 5.0)
+
+
+def _handshake_answers(port: int) -> bool:
+    return isinstance(_ask(port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0)),
+                      hs.HandshakeReply)
+
+
+def test_malformed_frames_and_bytes_never_end_the_server():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port)
+    try:
+        assert _handshake_answers(port)
+        dealer = zmq.Context.instance().socket(zmq.DEALER)  # no REQ envelope: 1 frame
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"x")
+        dealer.send_multipart([b"a", b"b", b"c", b"d"])
+        time.sleep(0.3)
+        dealer.close()
+        reply = _ask(port, hs.Release("x"))  # well-formed but a stranger's id
+        assert isinstance(reply, hs.Ack)
+        garbage = client.ask(zmq.Context.instance(), "127.0.0.1", port,
+                             hs.Release("y"), 5.0)
+        assert isinstance(garbage, hs.Ack)
+        assert p.workers[0].stats["malformed_messages"] >= 2
+        assert _handshake_answers(port)
+    finally:
+        p.shutdown()
+
+
+def test_forged_pull_fields_are_refused_and_the_server_keeps_serving():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port)
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1)
+    try:
+        records = pd.run_prefill(p, prompts=[37])
+        rec = next(iter(records.values()))
+        tid = rec["params"]["transfer_id"]
+        good = p.workers[0].sheet
+        groups = len(good.layout.block_sizes)
+        forged = {
+            "tp_size=0": msgspec.structs.replace(good, tp_size=0),
+            "tp_rank=5 of 2": msgspec.structs.replace(good, tp_size=2, tp_rank=5),
+        }
+        for name, sheet in forged.items():
+            reply = _ask(port, hs.PullRequest(tid, sheet, ((1,),) * groups))
+            assert isinstance(reply, hs.PullReply) and not reply.ok, name
+            assert "not a TP position" in reply.error, name
+        wrong_groups = _ask(port, hs.PullRequest(tid, good, ((1,),) * (groups + 1)))
+        assert not wrong_groups.ok and "block-id groups" in wrong_groups.error
+        negative = _ask(port, hs.PullRequest(tid, good, ((-1,),) * groups))
+        assert not negative.ok and "block id" in negative.error
+        assert _handshake_answers(port)
+        pd.run_decode(p, d, records)  # the transfer was untouched: its decode pulls it
+        assert rec["d_req"] in pd.finished_ids(d)
+        assert sum(sum(w.ledger.counts.values()) for w in d.workers) == 0
+        assert d.workers[0].stats["recv_bytes"] > 0
+        assert not pd.busy(p) and not pd.busy(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_pulls_for_unknown_ids_are_capped(monkeypatch):
+    monkeypatch.setattr(wk, "MAX_PARKED_PULLS", 2)
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, lease_seconds=30.0)
+    try:
+        good = p.workers[0].sheet
+        groups = len(good.layout.block_sizes)
+        context = zmq.Context.instance()
+        waiting = []
+        for i in range(2):  # parked: no transfer armed with these ids yet
+            sock = context.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send(hs.encode(hs.PullRequest(f"unknown-{i}", good, ((1,),) * groups)))
+            waiting.append(sock)
+        time.sleep(0.3)
+        third = _ask(port, hs.PullRequest("unknown-3", good, ((1,),) * groups))
+        assert not third.ok and "pulls wait here" in third.error
+        for sock in waiting:
+            sock.close()
+    finally:
+        p.shutdown()
+
+
+def test_non_object_kv_transfer_params_are_ignored_not_a_crash():
+    port = pd.free_port()
+    d = pd.build_instance("kv_consumer", 1, port + 5)
+    try:
+        for bad in (["do_remote_prefill"], "true", 7):
+            req = harness.make_request(37, max_tokens=2, kv_transfer_params=bad)
+            d.scheduler.add_request(req)
+            deadline = time.monotonic() + 20
+            while pd.busy(d) and time.monotonic() < deadline:
+                d.step()
+            assert req.request_id in pd.finished_ids(d), bad
+        assert not pd.busy(d)
+    finally:
+        d.shutdown()
