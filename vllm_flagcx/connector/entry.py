@@ -42,6 +42,7 @@ from vllm_flagcx.connector.scheduler import (
     SchedulerSettings,
     reports_failures_per_request,
 )
+from vllm_flagcx.connector.settings import SettingsError, checked_extra_config
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -156,11 +157,18 @@ class FlagCXConnector(PortableConnectorBase):
             bool(vllm_config.kv_transfer_config.is_kv_consumer), vllm_config, kv_cache_config)
         self.is_scheduler = role_is_scheduler(role)
         ktc = vllm_config.kv_transfer_config
-        self._extra = lambda key, default=None: compat_config.extra_config(ktc, key, default)
+        # Every key checked once, here, at startup (connector.settings says why).
+        extra = checked_extra_config(getattr(ktc, "kv_connector_extra_config", None))
+        self._extra = lambda key, default=None: extra.get(key, default)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         base_port = int(self._extra("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT))
         self.side_channel_port = base_port + compat_config.dp_index(parallel) * self.tp_size
+        if self.side_channel_port + self.tp_size - 1 > 65535:
+            raise SettingsError(
+                f"kv_connector_extra_config.side_channel_port={base_port}: with TP "
+                f"{self.tp_size} and this DP rank the side channel would need ports up to "
+                f"{self.side_channel_port + self.tp_size - 1}; use a lower base port")
         self.engine_id = str(getattr(ktc, "engine_id", None) or "flagcx")
         self.scheduler: SchedulerHalf | None = None
         self.worker: Any = None

@@ -1,0 +1,63 @@
+"""``kv_connector_extra_config`` is checked once at startup: each bad value is refused
+naming the key and what is allowed; unknown keys are logged with the closest known one."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import vllm_harness as harness
+
+from vllm_flagcx.connector.settings import SettingsError, checked_extra_config
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("lease_seconds", 0, "seconds > 0"),
+    ("lease_seconds", -5, "seconds > 0"),
+    ("lease_seconds", "soon", "seconds > 0"),
+    ("recv_timeout", float("nan"), "seconds > 0"),
+    ("handshake_timeout", True, "seconds > 0"),
+    ("side_channel_port", 70000, "1..65535"),
+    ("side_channel_port", -1, "1..65535"),
+    ("side_channel_port", "http", "1..65535"),
+    ("verify_integrity", "maybe", "true or false"),
+    ("transport", "rdma", "auto, flagcx, local"),
+    ("side_channel_host", "", "non-empty"),
+])
+def test_bad_values_are_refused_naming_the_key(key, value, allowed):
+    with pytest.raises(SettingsError) as err:
+        checked_extra_config({key: value})
+    assert f"kv_connector_extra_config.{key}=" in str(err.value)
+    assert allowed in str(err.value)
+
+
+def test_strings_that_mean_false_read_as_false():
+    out = checked_extra_config({"verify_integrity": "false", "enforce_handshake_compat": "0",
+                                "test_faults": "no", "flagcx_rdma_check": False})
+    assert out == {"verify_integrity": False, "enforce_handshake_compat": False,
+                   "test_faults": False, "flagcx_rdma_check": False}
+    assert checked_extra_config({"side_channel_port": "5600"}) == {"side_channel_port": 5600}
+
+
+def test_unknown_key_is_logged_with_the_closest_setting(caplog):
+    with caplog.at_level(logging.WARNING, logger="vllm_flagcx"):
+        out = checked_extra_config({"lease_secs": 5})
+    assert out == {"lease_secs": 5}
+    assert "lease_secs is not a setting" in caplog.text and "'lease_seconds'" in caplog.text
+
+
+def test_not_an_object_is_refused():
+    with pytest.raises(SettingsError, match="must be an object"):
+        checked_extra_config(["lease_seconds", 5])
+
+
+def test_the_connector_refuses_at_startup_on_the_real_scheduler():
+    config = harness.make_vllm_config(kv_role="kv_consumer",
+                                      extra_config={"lease_seconds": -1})
+    with pytest.raises(SettingsError, match="lease_seconds=-1"):
+        harness.make_scheduler(config, harness.dense_kv_cache_config())
+    config = harness.make_vllm_config(kv_role="kv_producer",
+                                      extra_config={"side_channel_port": 65535})
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(SettingsError, match="ports up to 65536"):
+        harness.make_scheduler(config, harness.dense_kv_cache_config())

@@ -1,0 +1,114 @@
+"""``kv_connector_extra_config``: every key the connector reads, checked once at startup.
+
+A value of the wrong kind or range is refused naming the key, the value and what is
+allowed (measured before: ``lease_seconds <= 0`` busy-looped decode's heartbeats, port
+70000 bound a wrapped port, the string "false" read as true, a negative timeout stranded
+requests inside a pull thread). Unknown keys are logged with the closest known one: a
+misspelled key used to be ignored silently.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger("vllm_flagcx")
+
+
+class SettingsError(ValueError):
+    """A ``kv_connector_extra_config`` value the connector cannot use."""
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use true or false")
+
+
+def _seconds(key: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+        raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a number of "
+                            "seconds > 0")
+    return number
+
+
+def _port(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a TCP port "
+                            "1..65535")
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a TCP port "
+                            "1..65535")
+    return port
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a non-empty "
+                            "string")
+    return value.strip()
+
+
+def _choice(*allowed: str) -> Callable[[str, Any], str]:
+    def check(key: str, value: Any) -> str:
+        if value not in allowed:
+            raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use one of "
+                                f"{', '.join(allowed)}")
+        return str(value)
+    return check
+
+
+KEYS: dict[str, Callable[[str, Any], Any]] = {
+    "transport": _choice("auto", "flagcx", "local"),
+    "transport_factory": _text,
+    "flagcx_library": _text,
+    "flagcx_rdma_check": _bool,
+    "verify_integrity": _bool,
+    "side_channel_host": _text,
+    "side_channel_bind": _text,
+    "side_channel_port": _port,
+    "lease_seconds": _seconds,
+    "recv_timeout": _seconds,
+    "handshake_timeout": _seconds,
+    "enforce_handshake_compat": _bool,
+    "test_faults": _bool,
+}
+
+
+def checked_extra_config(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The extra config with every known key converted and checked (SettingsError names
+    the first bad one); unknown keys are kept, and logged once with a suggestion."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise SettingsError(f"kv_connector_extra_config must be an object, got "
+                            f"{type(extra).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        check = KEYS.get(key)
+        if check is None:
+            close = difflib.get_close_matches(str(key), KEYS, n=1)
+            logger.warning("FlagCXConnector: kv_connector_extra_config.%s is not a setting "
+                           "of this connector; ignored%s", key,
+                           f" (did you mean {close[0]!r}?)" if close else "")
+            out[key] = value
+        elif value is not None:
+            out[key] = check(key, value)
+    return out
