@@ -136,6 +136,32 @@ def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd, capsy
     wait_idle(pd.prefill)
 
 
+def test_failed_receive_on_the_sliding_model_recomputes_the_right_answer_twice(pd):
+    """Issue 12's repro on real engines: decode alone, kv_transfer_params naming a port
+    nothing listens on, every prompt (the long ones far beyond the 64-token window), twice:
+    each answer is the monolithic one (vLLM frees the blocks and recomputes over a clean
+    block table) and decode stays up (before: wrong text with HTTP 200, then vLLM's
+    can_fit_full_sequence assertion killed decode)."""
+    import router_standin as rs
+
+    dead_port = rs.free_port()
+    expected = {p: complete(pd.prefill.url, p).json()["choices"][0]["text"] for p in PROMPTS}
+    failed_before = failures(pd.decode)
+    for attempt in range(2):
+        for i, prompt in enumerate(PROMPTS):
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "transfer_id": f"unreachable-{attempt}-{i}",
+                      "remote_host": "127.0.0.1", "remote_port": dead_port,
+                      "remote_tp_size": 1, "remote_engine_id": "nobody"}
+            r = httpx.post(pd.decode.url + "/v1/completions", timeout=120, json={
+                "model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "kv_transfer_params": params})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected[prompt], (attempt, prompt[:30])
+    assert failures(pd.decode) >= failed_before + 2 * len(PROMPTS)
+    wait_idle(pd.decode)
+
+
 def test_decode_killed_errors_releases_prefill_and_recovers_after_restart(pd):
     pd.decode.kill()
     started = time.monotonic()
