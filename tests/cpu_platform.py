@@ -46,6 +46,20 @@ def _cpu_platform_class() -> type:
     return CpuPlatformWithoutTritonCpu
 
 
+def _torch_amx_probe_for_older_vllm() -> None:
+    """STAND-IN for a torch API that vLLM 0.13's CPU attention calls and the shared test
+    base's torch (2.13) no longer has: ``torch._C._cpu._is_amx_tile_supported``. vLLM 0.13
+    runs on its own pinned torch in production; the matrix shares one torch across builds.
+    The stand-in answers what torch 2.13 itself answers (``torch.cpu``'s probe)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    cpu = getattr(torch._C, "_cpu", None)
+    if cpu is not None and not hasattr(cpu, "_is_amx_tile_supported"):
+        cpu._is_amx_tile_supported = lambda: torch.cpu._is_amx_tile_supported()
+
+
 def _use_cpu_platform() -> None:
     try:
         import vllm.platforms as platforms
@@ -57,4 +71,5 @@ def _use_cpu_platform() -> None:
     platforms._current_platform = _cpu_platform_class()()
 
 
+_torch_amx_probe_for_older_vllm()
 _use_cpu_platform()

@@ -36,7 +36,10 @@ class BuildUnavailable(RuntimeError):
 def _wheel_dir(package: str) -> Path | None:
     import importlib.util
 
-    spec = importlib.util.find_spec(package)
+    try:
+        spec = importlib.util.find_spec(package)
+    except ModuleNotFoundError:  # the parent package (nvidia) is not installed at all
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations)))

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
@@ -50,8 +51,11 @@ def current_attn_backends(vllm_config: Any, layer_names: list[str] | None = None
             return list(resolve("get_current_attn_backends")(vllm_config, layer_names))
         if mode == "single":
             return [resolve("get_current_attn_backend")(vllm_config)]
-        layers = resolve("get_layers_from_vllm_config")(
-            vllm_config, resolve("AttentionLayerBase"), layer_names)
+        try:
+            layers = resolve("get_layers_from_vllm_config")(
+                vllm_config, resolve("AttentionLayerBase"), layer_names)
+        except KeyError:  # 0.13 raises for names its forward context does not hold yet
+            layers = {}
         if layers:
             return _dedup([layer.get_attn_backend() for layer in layers.values()])
         model = vllm_config.model_config
@@ -96,13 +100,24 @@ def cache_format(vllm_config: Any, layer_names: list[str], block_size: int, head
     """
     try:
         backends = current_attn_backends(vllm_config, layer_names)
-    except Exception:  # a vendor build without a readable backend: refused, not guessed
+    except Exception as exc:  # a vendor build without a readable backend: refused, not guessed
+        logging.getLogger("vllm_flagcx").warning(
+            "FlagCXConnector: the attention backend of %d layers could not be read (%s: %s);"
+            " cache_format is 'unknown' and peers will refuse this instance",
+            len(layer_names), type(exc).__name__, exc)
         return "unknown"
     layout = kv_layout(vllm_config) or "unresolved"
     parts = set()
     for backend in backends:
         details = [str(backend.get_name())]
-        isa = _cpu_attention_isa(backend, vllm_config, block_size, head_size)
+        try:
+            isa = _cpu_attention_isa(backend, vllm_config, block_size, head_size)
+        except Exception as exc:  # the build's own ISA choice failed here: unknown
+            logging.getLogger("vllm_flagcx").warning(
+                "FlagCXConnector: %s could not tell its CPU ISA (%s: %s); cache_format is "
+                "'unknown' and peers will refuse this instance", details[0],
+                type(exc).__name__, exc)
+            return "unknown"
         if isa:
             details.append(f"isa={isa}")
         order = _stride_order(backend)

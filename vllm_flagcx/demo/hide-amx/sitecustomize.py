@@ -13,3 +13,6 @@ except ImportError:  # not an engine process after all: nothing to hide
     pass
 else:
     torch.cpu._is_amx_tile_supported = lambda: False
+    _cpu = getattr(torch._C, "_cpu", None)  # what vLLM 0.13's CPU attention asks
+    if _cpu is not None and hasattr(_cpu, "_is_amx_tile_supported"):
+        _cpu._is_amx_tile_supported = lambda: False
