@@ -213,14 +213,15 @@ class Instance:
     outputs: list[Any] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)
     entry: EntryWorkers | None = None
-    # request id -> the block ids (per group) of each time it was scheduled as new
+    # request id -> (num_computed_tokens, block ids per group) each time it was scheduled
+    # as new
     scheduled_blocks: dict[str, list[Any]] = field(default_factory=dict)
 
     def step(self) -> None:
         out = self.scheduler.schedule()
         for new in out.scheduled_new_reqs:
             self.scheduled_blocks.setdefault(new.req_id, []).append(
-                [list(g) for g in new.block_ids])
+                (new.num_computed_tokens, [list(g) for g in new.block_ids]))
         meta = out.kv_connector_metadata
         payload = getattr(meta, "payload", None)
         if payload is not None:

@@ -22,6 +22,7 @@ from transport_standin import Faults
 
 from vllm_flagcx.compat.blocks import strip_null_blocks
 from vllm_flagcx.compat.config import failure_policy
+from vllm_flagcx.compat.kv_cache import SpecKind, group_facts
 from vllm_flagcx.compat.recovery import NATIVE, SCHEDULER_FAILED_SET, recovery_probe
 
 FAILURES = {
@@ -58,6 +59,18 @@ def _run_twice(model, prefix_caching, p_faults=None, d_port_shift=0, lease=30.0,
         raise
 
 
+def _first_needed_block(facts, computed: int) -> int:
+    """The first block the tokens still to compute will read: every block for full
+    attention; the window before ``computed`` for a sliding-window group (blocks before it
+    are the null block by design, e.g. after a legitimate local prefix-cache hit); only the
+    last for Mamba (its state lives in one block)."""
+    if facts.kind is SpecKind.SLIDING_WINDOW:
+        return max(0, computed - facts.sliding_window) // facts.block_size
+    if facts.kind is SpecKind.MAMBA:
+        return -1
+    return 0
+
+
 def _recovery_supported() -> bool:
     """Multi-group decode runs here: vLLM finishes multi-group remote loads (0.13 does
     not, and the connector refuses decode there: test_mamba_and_config) and the build
@@ -80,6 +93,7 @@ def test_failed_receive_recomputes_over_a_clean_block_table(model, failure, pref
         pytest.skip("hybrid + prefix caching on decode: see "
                     "test_hybrid_prefix_caching_decode_is_refused_where_vllm_asserts")
     p, d, passes = _run_twice(model, prefix_caching, **FAILURES[failure])
+    groups_facts = group_facts(d.ranks[0].config)
     # vLLM's kv_load_failure_policy ("fail" is 0.22+'s default) applies where vLLM itself
     # handles the failure: block-level reports (dense) and 0.34's failed_recving. 0.18-0.22
     # have no request-level fail path for a connector: there the request recomputes.
@@ -96,11 +110,12 @@ def test_failed_receive_recomputes_over_a_clean_block_table(model, failure, pref
                 assert finished[rec["d_req"]] != "error", (failure, finished)
                 schedules = d.scheduled_blocks.get(rec["d_req"], [])
                 assert schedules, f"{rec['d_req']} was never scheduled"
-                for groups in schedules:
-                    for g, ids in enumerate(groups):
-                        assert strip_null_blocks(ids) == ids, (
-                            f"{model}/{failure}: group {g} of {rec['d_req']} recomputed "
-                            f"over the null block: {ids}")
+                for computed, groups in schedules:
+                    for facts, ids in zip(groups_facts, groups, strict=True):
+                        needed = ids[_first_needed_block(facts, computed):]
+                        assert strip_null_blocks(needed) == needed, (
+                            f"{model}/{failure}: group {facts.index} of {rec['d_req']} "
+                            f"recomputes from token {computed} over the null block: {ids}")
         failures = sum(sum(w.ledger.counts.values()) for w in d.workers)
         assert failures == sum(len(r) for r in passes)
         assert not pd.busy(p) and not pd.busy(d)
