@@ -51,8 +51,8 @@ def test_malformed_frames_and_bytes_never_end_the_server():
 
 def test_forged_pull_fields_are_refused_and_the_server_keeps_serving():
     port = pd.free_port()
-    p = pd.build_instance("kv_producer", 1, port)
-    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1)
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
     try:
         records = pd.run_prefill(p, prompts=[37])
         rec = next(iter(records.values()))
@@ -108,7 +108,7 @@ def test_pulls_for_unknown_ids_are_capped(monkeypatch):
 
 def test_non_object_kv_transfer_params_are_ignored_not_a_crash():
     port = pd.free_port()
-    d = pd.build_instance("kv_consumer", 1, port + 5)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
     try:
         for bad in (["do_remote_prefill"], "true", 7):
             req = harness.make_request(37, max_tokens=2, kv_transfer_params=bad)
