@@ -13,6 +13,7 @@ assertion); both schedulers end empty; a second pass runs clean.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pd_harness as pd
@@ -151,12 +152,19 @@ def test_hybrid_prefix_caching_decode_is_refused_where_vllm_asserts():
 
     def build(role):
         config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True, kv_role=role,
-                                          prefix_caching=True,
                                           extra_config={"side_channel_port": pd.free_port()})
         if not hasattr(config.cache_config, "mamba_cache_mode"):
             pytest.skip("this build has no mamba_cache_mode")
-        config.cache_config.mamba_cache_mode = "align"  # what vLLM picks with prefix caching
-        return harness.make_scheduler(config, harness.hybrid_kv_cache_config())
+        # What vLLM resolves for a hybrid model with prefix caching (0.34 asserts the pair
+        # while validating a config built with prefix caching on, so set both after).
+        config.cache_config.enable_prefix_caching = True
+        config.cache_config.mamba_cache_mode = "align"
+        kv = harness.hybrid_kv_cache_config()
+        for group in kv.kv_cache_groups:  # builds whose Mamba specs carry the mode (0.34)
+            if hasattr(group.kv_cache_spec, "mamba_cache_mode"):
+                group.kv_cache_spec = dataclasses.replace(group.kv_cache_spec,
+                                                          mamba_cache_mode="align")
+        return harness.make_scheduler(config, kv)
 
     scheduler_cls = harness.scheduler_class()
     asserts = "num_external_computed_tokens == 0" in inspect.getsource(

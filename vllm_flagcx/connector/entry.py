@@ -197,6 +197,13 @@ class FlagCXConnector(PortableConnectorBase):
         self._metadata_payload: FlagCXMetadataPayload | None = None
 
     # ---------------------------------------------------------------- scheduler side
+    def on_new_request(self, request: Any) -> None:
+        """vLLM 0.34+ calls this first for a new request, before its own code reads
+        ``kv_transfer_params`` as a mapping: non-object params (reachable through
+        ``vllm_xargs``) are dropped here with a warning instead of crashing the engine."""
+        if self.scheduler is not None:
+            self.scheduler.sanitize_params(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -117,6 +117,9 @@ class SchedulerHalf:
         self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3)
 
     # -------------------------------------------------------------------- decode side
+    def sanitize_params(self, request: Any) -> None:
+        self._params(request)
+
     def _params(self, request: Any) -> Mapping[str, Any]:
         """The request's ``kv_transfer_params`` when they are an object; anything else
         (reachable through ``vllm_xargs``) is ignored with a warning, never a crash."""
