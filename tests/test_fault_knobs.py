@@ -15,13 +15,12 @@ from vllm_flagcx.connector.regions import Region
 
 
 def test_fault_is_refused_where_faults_are_off_and_must_be_named():
-    assert fault_knobs.requested_fault({}, enabled=False) == ""
+    assert fault_knobs.requested_fault("", enabled=False) == ""
     with pytest.raises(fault_knobs.FaultKnobError, match="test_faults=true"):
-        fault_knobs.requested_fault({fault_knobs.PARAM: "drop_all"}, enabled=False)
+        fault_knobs.requested_fault("drop_all", enabled=False)
     with pytest.raises(fault_knobs.FaultKnobError, match="use one of"):
-        fault_knobs.requested_fault({fault_knobs.PARAM: "bogus"}, enabled=True)
-    assert fault_knobs.requested_fault({fault_knobs.PARAM: "corrupt_block"}, True) == \
-        "corrupt_block"
+        fault_knobs.requested_fault("bogus", enabled=True)
+    assert fault_knobs.requested_fault("corrupt_block", True) == "corrupt_block"
 
 
 def test_corrupt_first_block_touches_only_that_block_of_group_zero():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any
 
 from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
@@ -132,8 +133,6 @@ def _cpu_attention_isa(backend: Any, vllm_config: Any, block_size: int, head_siz
                        ) -> str | None:
     """The ISA vLLM's CPU attention module picks for this dtype/block/head size (the same
     call its metadata builder makes), or None for backends without one."""
-    import sys
-
     module = sys.modules.get(getattr(backend, "__module__", ""), None)
     pick = getattr(module, "_get_attn_isa", None)
     if pick is None:

@@ -67,27 +67,26 @@ def _frees_failed_loads(scheduler_cls: Any) -> bool:
     return "failed_recving_kv_req_ids" in source and "kv_cache_manager.free(" in source
 
 
-def recovery_mode(scheduler: Any | None) -> str | None:
-    """``native``, ``scheduler_failed_set`` or None (see the module docstring)."""
+def recovery_mode(scheduler_cls: Any | None) -> str | None:
+    """``native``, ``scheduler_failed_set`` or None (see the module docstring);
+    ``scheduler_cls`` None: no scheduler was found to hand failures to."""
     if FEATURES_BY_KEY["hybrid_load_failure_report"].probe() == "failed_recving":
         return NATIVE
-    if scheduler is not None and _frees_failed_loads(type(scheduler)):
+    if scheduler_cls is not None and _frees_failed_loads(scheduler_cls):
         return SCHEDULER_FAILED_SET
     return None
 
 
 def recovery_probe() -> str:
-    """Probe label for the porting checklist (no scheduler instance needed)."""
-    if FEATURES_BY_KEY["hybrid_load_failure_report"].probe() == "failed_recving":
-        return NATIVE
-    return SCHEDULER_FAILED_SET if _frees_failed_loads(resolve("Scheduler")) else "absent"
+    """The mode this build offers to its own ``Scheduler`` ("absent" for none)."""
+    return recovery_mode(resolve("Scheduler")) or "absent"
 
 
 class LoadFailureRecovery:
     """Sends a failed receive down vLLM's own failure path (see the module docstring)."""
 
     def __init__(self, scheduler: Any | None) -> None:
-        self.mode = recovery_mode(scheduler)
+        self.mode = recovery_mode(type(scheduler) if scheduler is not None else None)
         self._scheduler = weakref.ref(scheduler) if scheduler is not None else None
 
     def recompute(self, request: Any) -> bool:

@@ -124,8 +124,9 @@ def transport_factory_path(extra: Any) -> str:
         return str(explicit)
     name = str(extra("transport", "auto"))
     if name == "auto":
-        rdma_check = str(extra("flagcx_rdma_check", True)).lower() != "false"
-        name = "flagcx" if flagcx_available(extra("flagcx_library"), rdma_check) else "local"
+        name = ("flagcx" if flagcx_available(extra("flagcx_library"),
+                                             bool(extra("flagcx_rdma_check", True)))
+                else "local")
     if name not in TRANSPORTS:
         raise ValueError(f"kv_connector_extra_config.transport={name!r} is unknown; use one "
                          f"of {sorted(TRANSPORTS)} or 'auto'")
@@ -195,6 +196,9 @@ class FlagCXConnector(PortableConnectorBase):
             log_capabilities_once(vllm_config, self.engine_id,
                                   [g.kind.value for g in self.scheduler.groups])
         self._metadata_payload: FlagCXMetadataPayload | None = None
+        # How failed receives are reported (connector.scheduler says why); fixed per model.
+        self._failures_per_request = reports_failures_per_request(
+            compat_kv.group_facts(kv_cache_config) if kv_cache_config else [])
 
     # ---------------------------------------------------------------- scheduler side
     def on_new_request(self, request: Any) -> None:
@@ -277,7 +281,7 @@ class FlagCXConnector(PortableConnectorBase):
             skip_compat_hash=not bool(self._extra("enforce_handshake_compat", True)),
             verify_integrity=bool(self._extra("verify_integrity", True)),
             host_memory=host_memory,
-            test_faults=str(self._extra("test_faults", False)).lower() == "true")
+            test_faults=bool(self._extra("test_faults", False)))
         return WorkerHalf(settings, transport)
 
     def _cache_format(self, groups: list[Any]) -> str:
@@ -338,24 +342,16 @@ class FlagCXConnector(PortableConnectorBase):
         sending, recving = self.worker.get_finished()
         return sending or None, recving or None
 
-    def _num_groups(self) -> int:
-        return len(self.kv_cache_config.kv_cache_groups) if self.kv_cache_config else 1
-
-    def _per_request_failures(self) -> bool:
-        """``scheduler.reports_failures_per_request`` for this instance's groups."""
-        groups = compat_kv.group_facts(self.kv_cache_config) if self.kv_cache_config else []
-        return reports_failures_per_request(groups)
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Failed blocks, for single-group models (vLLM maps them back to requests only
         there); hybrids report failed requests instead (worker meta / failed_recving)."""
         if self.worker is None:
             return set()
         blocks = self.worker.get_block_ids_with_load_errors()
-        return set() if self._per_request_failures() else blocks
+        return set() if self._failures_per_request else blocks
 
     def build_connector_worker_meta(self) -> Any:
-        if (self.worker is None or not self._per_request_failures()
+        if (self.worker is None or not self._failures_per_request
                 or not self.worker.failed_last_step):
             return None
         return FlagCXWorkerMetadata(self.worker.failed_last_step)
@@ -364,7 +360,7 @@ class FlagCXConnector(PortableConnectorBase):
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             sending, recving = self.get_finished(finished_req_ids)
             failed = (self.worker.failed_last_step
-                      if self.worker is not None and self._per_request_failures() else set())
+                      if self.worker is not None and self._failures_per_request else set())
             return transfer_results(sending or set(), recving or set(), failed)
 
     # ---------------------------------------------------------------- stats

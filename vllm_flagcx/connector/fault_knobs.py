@@ -15,7 +15,7 @@ request); the e2e tests assert that, per model.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 PARAM = "flagcx_test_fault"
@@ -27,9 +27,9 @@ class FaultKnobError(ValueError):
     """A fault asked for that is unknown, or asked where faults are off."""
 
 
-def requested_fault(params: Mapping[str, Any], enabled: bool) -> str:
-    """The fault ``params`` ask for ("" for none); refuses one asked where they are off."""
-    fault = params.get(PARAM, "")
+def requested_fault(fault: str, enabled: bool) -> str:
+    """The fault a request asks for (its ``kv_transfer_params[PARAM]``; "" for none);
+    refuses one asked where faults are off, or one that is not named in ``FAULTS``."""
     if not fault:
         return ""
     if not enabled:

@@ -303,8 +303,7 @@ class WorkerHalf:
         remote = task.remote
         started = time.monotonic()
         try:
-            fault = fault_knobs.requested_fault({fault_knobs.PARAM: remote.test_fault},
-                                                self.settings.test_faults)
+            fault = fault_knobs.requested_fault(remote.test_fault, self.settings.test_faults)
         except fault_knobs.FaultKnobError as exc:
             self._fail_after_release(task, flat, str(exc))
             return

@@ -26,8 +26,7 @@ from vllm_flagcx.demo import procs
 
 HOST = "127.0.0.1"
 HIDE_AMX_PATH = Path(__file__).resolve().parent / "hide-amx"
-ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(?:\w+Error|\w+Exception|Exception|AssertionError)"
-                        r"(?::|$)")
+ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(?:\w+Error|\w*Exception)(?::|$)")
 
 
 class DemoError(RuntimeError):
