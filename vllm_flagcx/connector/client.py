@@ -7,10 +7,12 @@ finished but before decode started (else the blocks wait for the lease to expire
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from typing import Any
 
+from vllm_flagcx.connector import auth
 from vllm_flagcx.connector import handshake as hs
 
 
@@ -38,13 +40,14 @@ def listening(host: str, port: int, timeout: float = 0.5) -> bool | None:
 
 
 def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
-        probe_every: float | None = None) -> hs.Message:
+        probe_every: float | None = None, key: bytes | None = None) -> hs.Message:
     """Send ``message`` to ``host:port`` and return the answer; TimeoutError after
     ``timeout`` seconds without one.
 
     ``probe_every``: while waiting, check this often whether the port still accepts
     connections, and raise PeerGoneError as soon as it refuses (ZMQ itself reconnects to
-    a dead peer silently, forever).
+    a dead peer silently, forever). ``key``: the side-channel secret's MAC key
+    (``auth.load_key``); an answer that fails authentication raises ``auth.AuthError``.
     """
     import zmq
 
@@ -55,14 +58,14 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
     late = f"no answer from {host}:{port} within {timeout:.1f} s"
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(hs.encode(message))
+        sock.send(auth.seal(key, hs.encode(message)))
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(late)
             wait = left if probe_every is None else min(left, probe_every)
             if sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
-                return hs.decode(sock.recv())
+                return _open_answer(key, sock.recv())
             if probe_every is not None and listening(host, port) is False:
                 raise PeerGoneError(f"{host}:{port} refuses connections: the prefill "
                                     "worker that serves it is gone")
@@ -75,8 +78,23 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
         sock.close()
 
 
+def _open_answer(key: bytes | None, frame: bytes) -> hs.Message:
+    """The answer if it authenticates. A peer that refused us for want of the right
+    secret answers with a bare refusal: its reason is added to the error, never trusted."""
+    try:
+        return hs.decode(auth.unseal(key, frame))
+    except auth.AuthError as exc:
+        said = ""
+        if not frame.startswith(auth.MAGIC):
+            with contextlib.suppress(hs.HandshakeError):
+                answer = hs.decode(frame)
+                if isinstance(answer, hs.HandshakeRefused):
+                    said = f" (the peer says: {answer.reason[:300]})"
+        raise auth.AuthError(f"{exc}{said}") from None
+
+
 def release_transfer(host: str, port: int, tp_size: int, transfer_id: str,
-                     timeout: float = 2.0) -> list[str]:
+                     timeout: float = 2.0, key: bytes | None = None) -> list[str]:
     """Send ``Release(transfer_id)`` to prefill ranks ``port .. port+tp_size-1``; returns
     the errors (empty when every rank acknowledged)."""
     import zmq
@@ -85,7 +103,7 @@ def release_transfer(host: str, port: int, tp_size: int, transfer_id: str,
     for rank in range(tp_size):
         try:
             reply = ask(zmq.Context.instance(), host, port + rank, hs.Release(transfer_id),
-                        timeout)
+                        timeout, key=key)
             if not isinstance(reply, hs.Ack):
                 errors.append(f"{host}:{port + rank}: answered {type(reply).__name__}")
         except (TimeoutError, OSError, zmq.ZMQError, hs.HandshakeError) as exc:

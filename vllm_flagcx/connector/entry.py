@@ -36,6 +36,7 @@ from vllm_flagcx.compat.connector_api import (
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
+from vllm_flagcx.connector import auth
 from vllm_flagcx.connector.scheduler import (
     FlagCXMetadataPayload,
     SchedulerHalf,
@@ -171,6 +172,8 @@ class FlagCXConnector(PortableConnectorBase):
                 f"{self.tp_size} and this DP rank the side channel would need ports up to "
                 f"{self.side_channel_port + self.tp_size - 1}; use a lower base port")
         self.engine_id = str(getattr(ktc, "engine_id", None) or "flagcx")
+        # The side channel's MAC key (connector.auth): loaded once, never logged.
+        self._key = auth.load_key(self._extra(auth.SECRET_FILE_KEY))
         self.scheduler: SchedulerHalf | None = None
         self.worker: Any = None
         if self.is_scheduler:
@@ -180,8 +183,8 @@ class FlagCXConnector(PortableConnectorBase):
                 engine_id=self.engine_id,
                 side_channel_host=str(self._extra("side_channel_host", "127.0.0.1")),
                 side_channel_port=self.side_channel_port, tp_size=self.tp_size,
-                lease_seconds=float(self._extra("lease_seconds", 30.0))), kv_cache_config,
-                recovery)
+                lease_seconds=float(self._extra("lease_seconds", 30.0)), key=self._key),
+                kv_cache_config, recovery)
             if (bool(ktc.is_kv_consumer) and self.scheduler.has_sliding
                     and recovery.mode is None):
                 raise RuntimeError(
@@ -275,13 +278,13 @@ class FlagCXConnector(PortableConnectorBase):
             bind_host=str(self._extra("side_channel_bind",
                                       self._extra("side_channel_host", "127.0.0.1"))),
             side_channel_port=self.side_channel_port,
-            handshake_timeout=float(self._extra("handshake_timeout", 5.0)),
+            handshake_timeout=float(self._extra("handshake_timeout", 10.0)),
             recv_timeout=float(self._extra("recv_timeout", lease + 10.0)),
             lease_seconds=lease,
             skip_compat_hash=not bool(self._extra("enforce_handshake_compat", True)),
             verify_integrity=bool(self._extra("verify_integrity", True)),
             host_memory=host_memory,
-            test_faults=bool(self._extra("test_faults", False)))
+            test_faults=bool(self._extra("test_faults", False)), key=self._key)
         return WorkerHalf(settings, transport)
 
     def _cache_format(self, groups: list[Any]) -> str:

@@ -12,6 +12,7 @@ import logging
 import threading
 from collections import defaultdict
 
+from vllm_flagcx.connector import auth
 from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector.params import RemotePrefill
 
@@ -19,8 +20,10 @@ logger = logging.getLogger("vllm_flagcx")
 
 
 class HeartbeatSender:
-    def __init__(self, interval: float, timeout: float = 1.0) -> None:
+    def __init__(self, interval: float, timeout: float = 1.0, key: bytes | None = None
+                 ) -> None:
         self.interval = interval
+        self.key = key  # the side-channel secret's MAC key (``auth.load_key``)
         self.timeout = timeout
         self._lock = threading.Lock()
         self._awaited: dict[str, RemotePrefill] = {}  # request id -> prefill
@@ -55,7 +58,7 @@ class HeartbeatSender:
 
         context = zmq.Context.instance()
         for (host, port, tp), tids in self._targets().items():
-            message = hs.encode(hs.Heartbeat(tuple(tids)))
+            message = auth.seal(self.key, hs.encode(hs.Heartbeat(tuple(tids))))
             for rank in range(tp):
                 sock = context.socket(zmq.REQ)
                 sock.setsockopt(zmq.LINGER, 0)

@@ -38,6 +38,22 @@ def sample_ranges(src: np.ndarray, dst: np.ndarray, length: np.ndarray,
             [(int(e - k), int(k)) for e, k in zip(end_dst, n, strict=True)])
 
 
+def outside(ranges: list[tuple[int, int]], spans: list[tuple[int, int]],
+            max_sample_bytes: int = SAMPLE_BYTES) -> tuple[int, int] | None:
+    """The first (address, size) of ``ranges`` not inside one of ``spans`` (this side's
+    registered storages, ``regions.unique_storages``), or of a size the sample never
+    has; None when all are inside.
+
+    The ranges arrive in prefill's reply: reading them unchecked let a rogue prefill make
+    decode read any address (measured: SIGSEGV)."""
+    for address, size in ranges:
+        if not 0 < size <= max_sample_bytes or not any(
+                start <= address and address + size <= start + length
+                for start, length in spans):
+            return address, size
+    return None
+
+
 def read_host(address: int, size: int) -> bytes:
     return ctypes.string_at(address, size)
 

@@ -52,6 +52,37 @@ class TransferPlan:
         return TransferPlan(z, z.copy(), z.copy())
 
 
+def _first_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[int, int]]
+                   ) -> int | None:
+    """Index of the first descriptor not inside one span (spans disjoint), else None."""
+    if addr.size == 0:
+        return None
+    if not spans:
+        return 0
+    starts = np.asarray([s for s, _ in spans], dtype=np.int64)
+    ends = starts + np.asarray([n for _, n in spans], dtype=np.int64)
+    a = addr.astype(np.int64)
+    idx = np.searchsorted(starts, a, side="right") - 1
+    bad = (idx < 0) | (a + length.astype(np.int64) > ends[np.maximum(idx, 0)])
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else None
+
+
+def check_within(plan: TransferPlan, src_spans: Sequence[tuple[int, int]],
+                 dst_spans: Sequence[tuple[int, int]]) -> None:
+    """PlanError unless every descriptor reads inside the sender's registered storages and
+    writes inside the receiver's announced ones (``regions.unique_storages`` spans).
+
+    Block ids are bounded when a plan is made; this is the last check before bytes move,
+    per descriptor, so no plan (or bug in one) can write memory nobody registered."""
+    for side, addr, spans in (("source", plan.src, src_spans),
+                              ("destination", plan.dst, dst_spans)):
+        i = _first_outside(addr, plan.length, spans)
+        if i is not None:
+            raise PlanError(f"descriptor {i}: {side} {int(addr[i]):#x} + {int(plan.length[i])} "
+                            f"bytes is outside the registered memory")
+
+
 @dataclass(frozen=True)
 class RankPair:
     sender_rank: int

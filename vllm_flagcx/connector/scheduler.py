@@ -76,6 +76,7 @@ class SchedulerSettings:
     side_channel_port: int
     tp_size: int
     lease_seconds: float = 30.0
+    key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
 
 def reports_failures_per_request(groups: list[Any]) -> bool:
@@ -109,12 +110,14 @@ class SchedulerHalf:
         self.hash_block_size = min((g.block_size for g in self.groups), default=0)
         self._pending = FlagCXMetadataPayload()
         self._armed: dict[str, SendTask] = {}  # request_id -> held send
+        self._held_ids: set[str] = set()  # their transfer ids (one request per id)
         self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
         self._local_hit: dict[str, int] = {}  # request_id -> tokens D had locally
         self._recv_requests: dict[str, Any] = {}  # request_id -> Request while loading
         self.recomputed_after_failure = 0
         self.rejected_params = 0
-        self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3)
+        self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3,
+                                          key=settings.key)
 
     # -------------------------------------------------------------------- decode side
     def sanitize_params(self, request: Any) -> None:
@@ -217,6 +220,12 @@ class SchedulerHalf:
             return False, None
         ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]
         transfer_id = str(params.get("transfer_id") or request.request_id)
+        if transfer_id in self._held_ids:
+            # A second request under a held id: decode would pull the first one's KV.
+            logger.warning("FlagCX: transfer_id %r of request %s is already held for "
+                           "another request; its KV is not offered (decode recomputes)",
+                           transfer_id[:80], request.request_id)
+            return False, None
         out = remote_prefill_params(
             transfer_id=transfer_id, host=self.settings.side_channel_host,
             port=self.settings.side_channel_port, tp_size=self.settings.tp_size,
@@ -227,6 +236,7 @@ class SchedulerHalf:
         task = SendTask(request.request_id, transfer_id, ids,
                         time.monotonic() + self.settings.lease_seconds)
         self._armed[request.request_id] = task
+        self._held_ids.add(transfer_id)
         self._pending.send[request.request_id] = task
         return True, out
 
@@ -260,7 +270,9 @@ class SchedulerHalf:
             self._waiting_recv.pop(req_id, None)
             self._recv_requests.pop(req_id, None)
         for req_id in finished_sending or ():
-            self._armed.pop(req_id, None)
+            task = self._armed.pop(req_id, None)
+            if task is not None:
+                self._held_ids.discard(task.transfer_id)
 
     def shutdown(self) -> None:
         self.heartbeats.stop()

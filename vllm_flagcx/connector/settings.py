@@ -89,6 +89,7 @@ KEYS: dict[str, Callable[[str, Any], Any]] = {
     "handshake_timeout": _seconds,
     "enforce_handshake_compat": _bool,
     "test_faults": _bool,
+    "side_channel_secret_file": _text,
 }
 
 

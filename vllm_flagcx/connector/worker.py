@@ -24,12 +24,13 @@ import os
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from vllm_flagcx.connector import client, fault_knobs, integrity, plans
+from vllm_flagcx.connector import auth, client, fault_knobs, integrity, plans
 from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector.host_cpus import allowed_cpus
 from vllm_flagcx.connector.regions import Region, Section, unique_storages
@@ -51,7 +52,7 @@ class WorkerSettings:
     layout: hs.LayoutFacts
     bind_host: str = "127.0.0.1"
     side_channel_port: int = 0  # P: base port; rank r listens on base + r
-    handshake_timeout: float = 5.0
+    handshake_timeout: float = 10.0  # 5 s once ran out behind a CPU-starved prefill
     recv_timeout: float = 40.0  # longer than the prefill lease
     lease_seconds: float = 30.0
     skip_compat_hash: bool = False
@@ -61,10 +62,15 @@ class WorkerSettings:
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
     test_faults: bool = False  # honour kv_transfer_params.flagcx_test_fault (tests only)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
+    key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
 MAX_TP = 1024
+MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
+
+
+SLOW_HANDSHAKE_SECONDS = 1.0
 
 
 def pull_problem(pull: hs.PullRequest, num_groups: int) -> str:
@@ -96,6 +102,28 @@ def unpin_this_thread() -> None:
         return
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, allowed_cpus())
+
+
+@contextlib.contextmanager
+def unpinned() -> Iterator[None]:
+    """This thread unpinned for the block, its affinity restored after.
+
+    For what starts threads of its own from the worker's main thread: a ZMQ context's
+    I/O thread inherits the affinity of the thread that creates its first socket, and one
+    pinned to the OpenMP core answered a first handshake after more than 5 s on a busy
+    2-core CI machine (measured: the decode gave up and recomputed).
+    """
+    saved = None
+    if hasattr(os, "sched_getaffinity"):
+        with contextlib.suppress(OSError):
+            saved = os.sched_getaffinity(0)
+    unpin_this_thread()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, saved)
 
 
 def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -178,6 +206,11 @@ def _section_info(s: Section) -> hs.SectionInfo:
                           s.repeat_stride, s.replicated)
 
 
+def receiver_spans(sheet: hs.FactSheet) -> list[tuple[int, int]]:
+    """The disjoint (address, size) storages a receiver's sheet announces."""
+    return unique_storages([(r.base, r.block_stride * r.num_blocks) for r in sheet.regions])
+
+
 def _from_info(info: hs.RegionInfo) -> Region:
     return Region(info.name, info.layer, info.group, info.kind, info.base, info.block_stride,
                   info.num_blocks, info.block_bytes,
@@ -190,6 +223,7 @@ class _Armed:
     expected: set[int] | None = None  # receiver ranks, known at the first pull
     pulled: set[int] = field(default_factory=set)
     writing: bool = False  # a write is under way: the lease cannot expire under it
+    receiver: str | None = None  # engine id of the decode instance that pulls it
 
 
 class WorkerHalf:
@@ -210,12 +244,14 @@ class WorkerHalf:
         self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
         self._plan_tables: dict[tuple[str, int], plans.PlanTable] = {}
+        self._receivers: dict[tuple[str, int], hs.FactSheet] = {}  # pinned at first pull
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
         self._pull_threads: list[threading.Thread] = []
         self.stats: dict[str, float] = defaultdict(float)
         self._last_stats: dict[str, float] = {}
         self._pending_invalid: set[int] = set()
+        self._storages: list[tuple[int, int]] = []  # registered (address, size), disjoint
         self.failed_last_step: set[str] = set()
         self._zmq = None
         self._read_kv = (integrity.reader(settings.host_memory)
@@ -229,6 +265,7 @@ class WorkerHalf:
         spans = unique_storages([(r.base, r.end - r.base) for r in regions])
         for address, size in spans:
             self.transport.register(address, size)
+        self._storages = spans
         self.regions = list(regions)
         s = self.settings
         self.sheet = hs.make_sheet(layout=s.layout, engine_id=s.engine_id,
@@ -244,6 +281,9 @@ class WorkerHalf:
     def start_step(self, payload: FlagCXMetadataPayload) -> None:
         with self._lock:
             for task in payload.send.values():
+                if task.transfer_id in self._armed:  # the scheduler refuses these first
+                    self._done_sending.add(task.request_id)
+                    continue
                 self._armed[task.transfer_id] = _Armed(task)
         for task in payload.recv.values():
             self._spawn(self._pull, task)
@@ -283,14 +323,19 @@ class WorkerHalf:
         if self._zmq is None:
             self._zmq = zmq.Context()
         return client.ask(self._zmq, host, port, message, timeout,
-                          probe_every=self.settings.peer_probe_seconds)
+                          probe_every=self.settings.peer_probe_seconds, key=self.settings.key)
 
     def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
         key = (host, port)
         cached = self._peer_sheets.get(key)
         if cached is None or time.monotonic() - cached[0] > self.settings.peer_ttl:
+            started = time.monotonic()
             reply = self._ask(host, port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0),
                               self.settings.handshake_timeout)
+            took = time.monotonic() - started
+            if took > SLOW_HANDSHAKE_SECONDS:
+                logger.warning("FlagCX handshake with prefill %s:%d took %.1f s (a busy or "
+                               "CPU-starved prefill worker answers late)", host, port, took)
             if isinstance(reply, hs.HandshakeRefused):
                 raise hs.HandshakeError(f"prefill at {host}:{port} refused: {reply.reason}")
             if not isinstance(reply, hs.HandshakeReply):
@@ -340,6 +385,12 @@ class WorkerHalf:
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {error}")
                 return
             if reply.sample and self._integrity_checked():
+                stray = integrity.outside(list(reply.sample), self._storages)
+                if stray is not None:
+                    self._fail_after_release(task, flat, (
+                        f"P rank {p_rank}: the reply's integrity sample names {stray[1]} "
+                        f"bytes at {stray[0]:#x}, outside this worker's KV caches"))
+                    return
                 got = integrity.checksum(list(reply.sample), self._read_kv)
                 if got != reply.sample_crc:
                     self.stats["integrity_failures"] += 1
@@ -406,9 +457,12 @@ class WorkerHalf:
     def _start_server(self) -> None:
         import zmq
 
-        self._zmq = self._zmq or zmq.Context()
-        sock = self._zmq.socket(zmq.ROUTER)
+        auth.require_secret_off_loopback(self.settings.bind_host, self.settings.key)
+        with unpinned():  # the context's I/O thread starts with the first socket
+            self._zmq = self._zmq or zmq.Context()
+            sock = self._zmq.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         port = self.settings.side_channel_port + self.settings.tp_rank
         sock.bind(f"tcp://{self.settings.bind_host}:{port}")
         self._server = threading.Thread(target=self._serve, args=(sock,), daemon=True,
@@ -426,7 +480,7 @@ class WorkerHalf:
                 if dict(poller.poll(20)).get(sock):
                     self._serve_one(sock)
                 for ident, reply in self._serve_parked():
-                    sock.send_multipart([ident, b"", hs.encode(reply)])
+                    sock.send_multipart([ident, b"", self._seal(reply)])
         finally:
             sock.close()
 
@@ -437,7 +491,16 @@ class WorkerHalf:
         if len(frames) != 3 or frames[1] != b"":
             self.stats["malformed_messages"] += 1
             return  # not a REQ envelope: nobody to answer
-        ident, _, data = frames
+        ident, _, frame = frames
+        try:
+            data = auth.unseal(self.settings.key, frame)
+        except auth.AuthError as exc:  # answered bare: the sender may lack the key
+            self.stats["unauthenticated_messages"] += 1
+            if self.stats["unauthenticated_messages"] in (1, 10, 100, 1000):
+                logger.warning("FlagCX side channel: refused %d unauthenticated message(s) "
+                               "so far: %s", self.stats["unauthenticated_messages"], exc)
+            sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(str(exc)))])
+            return
         try:
             reply = self._handle(ident, data)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
@@ -446,7 +509,10 @@ class WorkerHalf:
                            type(exc).__name__, exc)
             reply = hs.HandshakeRefused(f"refused: {type(exc).__name__}")
         if reply is not None:
-            sock.send_multipart([ident, b"", hs.encode(reply)])
+            sock.send_multipart([ident, b"", self._seal(reply)])
+
+    def _seal(self, message: hs.Message) -> bytes:
+        return auth.seal(self.settings.key, hs.encode(message))
 
     def _handle(self, ident: bytes, data: bytes) -> hs.Message | None:
         try:
@@ -496,8 +562,13 @@ class WorkerHalf:
         for ident, pull, deadline in parked:
             with self._lock:
                 armed = self._armed.get(pull.transfer_id)
+                if armed is not None and armed.receiver not in (None, pull.sheet.engine_id):
+                    out.append((ident, hs.PullReply(
+                        pull.transfer_id, False, "this transfer is pulled by another decode "
+                        "instance")))
+                    continue
                 if armed is not None:
-                    armed.writing = True
+                    armed.writing, armed.receiver = True, pull.sheet.engine_id
             if armed is None:
                 if now > deadline:
                     out.append((ident, hs.PullReply(pull.transfer_id, False,
@@ -514,13 +585,15 @@ class WorkerHalf:
         started = time.monotonic()
         try:
             hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
-            plan = self._plan_table(pull.sheet).plan(
+            receiver = self._receiver_sheet(pull.sheet)
+            plan = self._plan_table(receiver).plan(
                 armed.task.block_ids, pull.block_ids, self.kernel_ratios or None,
                 list(pull.offsets) or None)
+            plans.check_within(plan, self._storages, receiver_spans(receiver))
             if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
                 self._finish_pull(armed, pull, failed=False)
                 return hs.PullReply(pull.transfer_id, True)
-            handle = self._connection(pull.sheet)
+            handle = self._connection(receiver)
             result = self.transport.write(handle, plan.src, plan.dst, plan.length)
         except Exception as exc:  # whatever a pull names, the transfer ends and is freed
             self._connections.pop(pull.sheet.incarnation, None)
@@ -541,6 +614,23 @@ class WorkerHalf:
             sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges, self._read_kv)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc)
+
+    def _receiver_sheet(self, sheet: hs.FactSheet) -> hs.FactSheet:
+        """The receiver's sheet as its first pull named it: an incarnation's regions and
+        transport (the process written into) are pinned then, and a later pull that
+        names others is refused (HandshakeError)."""
+        key = (sheet.incarnation, sheet.tp_rank)
+        with self._lock:
+            pinned = self._receivers.get(key)
+            if pinned is None:
+                if len(self._receivers) >= 256:  # decode restarts: drop the stale ones
+                    self._receivers.clear()
+                self._receivers[key] = pinned = sheet
+        if pinned != sheet:
+            raise hs.HandshakeError(f"receiver incarnation {sheet.incarnation!r} rank "
+                                    f"{sheet.tp_rank} names other regions or another "
+                                    "transport than at its first pull")
+        return pinned
 
     def _plan_table(self, sheet: hs.FactSheet) -> plans.PlanTable:
         """The request-independent part of plans to this receiver rank, built at its first

@@ -28,6 +28,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=600.0)
     p.add_argument("--decode-timeout", type=float, default=600.0,
                    help="longest silence inside the decode answer, seconds")
+    p.add_argument("--side-channel-secret-file", default=None,
+                   help="file holding the side-channel secret the prefill and decode "
+                        "instances use (default: the environment variable "
+                        "VLLM_FLAGCX_SIDE_CHANNEL_SECRET, else none)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -41,9 +45,17 @@ def build(args: argparse.Namespace):
     decode = Pool("decode", [parse_instance(s, "decode") for s in args.decode])
     if any(i.side_channel_port is not None for i in decode.instances):
         raise RouterConfigError("--decode takes only a URL")
+    from vllm_flagcx.connector import auth
+
+    try:
+        key = auth.load_key(args.side_channel_secret_file)
+    except auth.AuthError as exc:
+        raise RouterConfigError(str(exc).replace(
+            f"kv_connector_extra_config.{auth.SECRET_FILE_KEY}", "--side-channel-secret-file")
+        ) from None
     settings = RouterSettings(mode=args.mode, connect_timeout=args.connect_timeout,
                               prefill_timeout=args.prefill_timeout,
-                              decode_timeout=args.decode_timeout)
+                              decode_timeout=args.decode_timeout, key=key)
     return build_app(Proxy(prefill, decode, settings))
 
 

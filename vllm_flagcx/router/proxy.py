@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -59,6 +59,7 @@ class RouterSettings:
     prefill_timeout: float = 600.0  # whole prefill leg
     decode_timeout: float = 600.0  # between two bytes of the decode answer
     release_timeout: float = 2.0
+    key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sequential", "concurrent"):
@@ -167,7 +168,7 @@ class Proxy:
             reply = await asyncio.to_thread(
                 client.ask, zmq.Context.instance(), instance.host, instance.side_channel_port,
                 handshake.HandshakeRequest(handshake.PROTOCOL_VERSION, 0),
-                self.settings.connect_timeout)
+                self.settings.connect_timeout, None, self.settings.key)
             if not isinstance(reply, handshake.HandshakeReply):
                 raise LegError(502, "prefill", instance.url,
                                f"side channel answered {type(reply).__name__}")
@@ -220,7 +221,7 @@ class Proxy:
         errors = await asyncio.to_thread(
             release_transfer, str(params.get("remote_host")), int(params["remote_port"]),
             int(params.get("remote_tp_size", 1)), str(params.get("transfer_id")),
-            self.settings.release_timeout)
+            self.settings.release_timeout, self.settings.key)
         self.counters["released"] += 1
         if errors:
             logger.info("release of %s not acknowledged (%s); prefill's lease frees it",
