@@ -25,6 +25,7 @@ from transport_standin import Faults, MemmoveTransport
 from vllm_flagcx.compat import kv_cache, kv_layout
 from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
 from vllm_flagcx.compat.topology import head_range
+from vllm_flagcx.connector import auth
 from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
 from vllm_flagcx.connector.regions import ConvSplit
@@ -279,8 +280,15 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    prefix_caching: bool = False, transport: str | None = None,
                    kernel_ratio: int = 1, verify_integrity: bool = True,
                    extra: dict | None = None, test_faults: bool = False,
-                   cache_format: str = "CPU_ATTN:isa=vec:layout=HND") -> Instance:
+                   cache_format: str = "CPU_ATTN:isa=vec:layout=HND",
+                   secret_file: str | None = None, engine_id: str | None = None
+                   ) -> Instance:
+    """``secret_file``: the side-channel secret (connector.auth) for the scheduler (through
+    the extra config) and the workers."""
     hybrid = model == "hybrid"
+    key = auth.load_key(secret_file)
+    if secret_file:
+        extra = {**(extra or {}), auth.SECRET_FILE_KEY: secret_file}
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
                                       harness.DENSE_MODEL, hma=True, kv_role=role,
                                       extra_config={"side_channel_port": port,
@@ -337,13 +345,14 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
             kernel_block_sizes=tuple(g.block_size // kernel_ratio for g in groups),
             page_bytes=model_page_bytes(regions, len(groups)), conv_layout=conv_layout,
             num_kv_heads=KV_HEADS, cache_format=cache_format)
-        worker = WorkerHalf(WorkerSettings(engine_id=role, tp_rank=rank, tp_size=tp,
+        worker = WorkerHalf(WorkerSettings(engine_id=engine_id or role, tp_rank=rank,
+                                           tp_size=tp,
                                            layout=layout, side_channel_port=port,
                                            lease_seconds=lease_seconds,
                                            recv_timeout=recv_timeout,
                                            handshake_timeout=2.0, peer_ttl=peer_ttl,
                                            verify_integrity=verify_integrity,
-                                           test_faults=test_faults),
+                                           test_faults=test_faults, key=key),
                             MemmoveTransport(faults))
         worker.register_regions(regions, serve=role == "kv_producer",
                                 logical_num_blocks=caches.config.num_blocks)

@@ -37,6 +37,7 @@ class MemmoveTransport(Transport):
     """Stand-in: one endpoint per worker; ``write`` memmoves into the peer's memory."""
 
     name = "memmove-standin"
+    max_concurrent_writes = 4
 
     def __init__(self, faults: Faults | None = None) -> None:
         self.faults = faults or Faults()
@@ -75,7 +76,8 @@ class MemmoveTransport(Transport):
 
     def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
               length: np.ndarray) -> WriteResult:
-        index, self.writes = self.writes, self.writes + 1
+        with _lock:
+            index, self.writes = self.writes, self.writes + 1
         if self.faults.delay_seconds:
             time.sleep(self.faults.delay_seconds)
         f = self.faults

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class WorkerSettings:
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
 MAX_TP = 1024
+MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
 
 
@@ -222,8 +224,9 @@ class _Armed:
     task: SendTask
     expected: set[int] | None = None  # receiver ranks, known at the first pull
     pulled: set[int] = field(default_factory=set)
-    writing: bool = False  # a write is under way: the lease cannot expire under it
+    writes: int = 0  # writes under way: the lease cannot expire, a Release must wait
     receiver: str | None = None  # engine id of the decode instance that pulls it
+    release_waiters: list[bytes] = field(default_factory=list)  # Releases to ack after
 
 
 class WorkerHalf:
@@ -245,6 +248,14 @@ class WorkerHalf:
         self._connections: dict[str, object] = {}
         self._plan_tables: dict[tuple[str, int], plans.PlanTable] = {}
         self._receivers: dict[tuple[str, int], hs.FactSheet] = {}  # pinned at first pull
+        self._connect_lock = threading.Lock()
+        # Writes run on writer threads, never on the side-channel thread (one slow write
+        # stalled every handshake, heartbeat and release behind it); their replies come
+        # back through the outbox, and a byte on the wake pipe tells the server thread.
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes_in_flight = 0
+        self._outbox: deque[tuple[bytes, hs.Message]] = deque()
+        self._wake_r, self._wake_w = -1, -1
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
         self._pull_threads: list[threading.Thread] = []
@@ -465,6 +476,12 @@ class WorkerHalf:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         port = self.settings.side_channel_port + self.settings.tp_rank
         sock.bind(f"tcp://{self.settings.bind_host}:{port}")
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._writer = ThreadPoolExecutor(
+            max_workers=max(1, int(getattr(self.transport, "max_concurrent_writes", 1))),
+            thread_name_prefix=f"flagcx-write-{port}", initializer=unpin_this_thread)
         self._server = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                         name=f"flagcx-side-channel-{port}")
         self._server.start()
@@ -475,14 +492,28 @@ class WorkerHalf:
         unpin_this_thread()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if dict(poller.poll(20)).get(sock):
+                events = dict(poller.poll(20))
+                if events.get(sock):
                     self._serve_one(sock)
+                if events.get(self._wake_r):
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
                 for ident, reply in self._serve_parked():
+                    sock.send_multipart([ident, b"", self._seal(reply)])
+                while self._outbox:
+                    ident, reply = self._outbox.popleft()
                     sock.send_multipart([ident, b"", self._seal(reply)])
         finally:
             sock.close()
+
+    def _post(self, ident: bytes, reply: hs.Message) -> None:
+        """Queue an answer for the server thread (the only one that touches the socket)."""
+        self._outbox.append((ident, reply))
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"w")
 
     def _serve_one(self, sock: Any) -> None:
         """One message from the side channel; nothing a peer sends may end the server
@@ -537,8 +568,12 @@ class WorkerHalf:
             return hs.Ack(",".join(message.transfer_ids)[:256])
         if isinstance(message, hs.Release):
             with self._lock:
-                armed = self._armed.pop(message.transfer_id, None)
-                if armed is not None:
+                armed = self._armed.get(message.transfer_id)
+                if armed is not None and armed.writes:  # ack once no write is in flight
+                    if len(armed.release_waiters) < 16:
+                        armed.release_waiters.append(ident)
+                    return None
+                if self._armed.pop(message.transfer_id, None) is not None:
                     self._done_sending.add(armed.task.request_id)
             return hs.Ack(message.transfer_id)
         if isinstance(message, hs.PullRequest):
@@ -567,8 +602,13 @@ class WorkerHalf:
                         pull.transfer_id, False, "this transfer is pulled by another decode "
                         "instance")))
                     continue
+                if armed is not None and self._writes_in_flight >= MAX_WRITES_IN_FLIGHT:
+                    keep.append((ident, pull, deadline))  # writer threads all busy
+                    continue
                 if armed is not None:
-                    armed.writing, armed.receiver = True, pull.sheet.engine_id
+                    armed.writes += 1
+                    armed.receiver = pull.sheet.engine_id
+                    self._writes_in_flight += 1
             if armed is None:
                 if now > deadline:
                     out.append((ident, hs.PullReply(pull.transfer_id, False,
@@ -576,10 +616,23 @@ class WorkerHalf:
                 else:
                     keep.append((ident, pull, deadline))
                 continue
-            out.append((ident, self._write(armed, pull)))
+            assert self._writer is not None
+            self._writer.submit(self._write_job, ident, armed, pull)
         with self._lock:
             self._parked = keep + self._parked
         return out
+
+    def _write_job(self, ident: bytes, armed: _Armed, pull: hs.PullRequest) -> None:
+        try:
+            reply = self._write(armed, pull)
+        except Exception as exc:  # _write ends the pull itself; this is the last guard
+            logger.warning("FlagCX write for %s: %s: %s", pull.transfer_id,
+                           type(exc).__name__, exc)
+            reply = hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._writes_in_flight -= 1
+        self._post(ident, reply)
 
     def _write(self, armed: _Armed, pull: hs.PullRequest) -> hs.PullReply:
         started = time.monotonic()
@@ -607,11 +660,17 @@ class WorkerHalf:
             self.stats["send_bytes"] += plan.num_bytes
             self.stats["send_descriptors"] += plan.num_descriptors
             self.stats["send_seconds"] += time.monotonic() - started
-        self._finish_pull(armed, pull, failed=False)
         sample, crc = (), 0
         if self.settings.verify_integrity and self._read_kv is not None:
-            src_ranges, dst_ranges = integrity.sample_ranges(plan.src, plan.dst, plan.length)
-            sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges, self._read_kv)
+            # Read before the pull ends: the blocks may be freed (and reused) right after.
+            try:
+                src_ranges, dst_ranges = integrity.sample_ranges(plan.src, plan.dst,
+                                                                 plan.length)
+                sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges, self._read_kv)
+            except Exception as exc:  # the bytes moved; only the proof of it is lost
+                logger.warning("FlagCX integrity sample of %s not taken: %s",
+                               pull.transfer_id, exc)
+        self._finish_pull(armed, pull, failed=False)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc)
 
@@ -648,28 +707,37 @@ class WorkerHalf:
         return table
 
     def _connection(self, sheet: hs.FactSheet) -> object:
-        handle = self._connections.get(sheet.incarnation)
-        if handle is None:
-            handle = self.transport.connect(sheet.transport_desc)
-            self._connections[sheet.incarnation] = handle
-        return handle
+        with self._connect_lock:  # writer threads: one connect per receiver
+            handle = self._connections.get(sheet.incarnation)
+            if handle is None:
+                handle = self.transport.connect(sheet.transport_desc)
+                self._connections[sheet.incarnation] = handle
+            return handle
 
     def _finish_pull(self, armed: _Armed, pull: hs.PullRequest, failed: bool) -> None:
+        """One pull's write is over: the transfer ends once every receiver rank pulled,
+        or at once when a Release waited for this write (then acknowledged, only now)."""
         with self._lock:
-            armed.writing = False
+            armed.writes -= 1
             if armed.expected is None:
                 armed.expected = set(range(pull.sheet.tp_size))
             armed.pulled.add(pull.sheet.tp_rank)
             if failed:
                 self.stats["send_failures"] += 1
-            if armed.pulled >= armed.expected and self._armed.pop(pull.transfer_id, None):
+            done = armed.pulled >= armed.expected or (armed.release_waiters
+                                                      and armed.writes == 0)
+            if done and self._armed.pop(pull.transfer_id, None):
                 self._done_sending.add(armed.task.request_id)
+            waiters, armed.release_waiters = (
+                (armed.release_waiters, []) if armed.writes == 0 else ([], armed.release_waiters))
+        for ident in waiters:
+            self._post(ident, hs.Ack(pull.transfer_id))
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
             expired = [tid for tid, a in self._armed.items()
-                       if a.task.deadline < now and not a.writing]
+                       if a.task.deadline < now and not a.writes]
             for tid in expired:
                 self._done_sending.add(self._armed.pop(tid).task.request_id)
                 self.stats["expired_leases"] += 1
@@ -687,6 +755,13 @@ class WorkerHalf:
         self._stop.set()
         if self._server is not None:
             self._server.join(timeout=2)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True, cancel_futures=True)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_r = self._wake_w = -1
         for thread in self._pull_threads:
             thread.join(timeout=0.5)
         if self._zmq is not None:

@@ -27,6 +27,9 @@ class WriteResult:
 
 class Transport(abc.ABC):
     name: str = "abstract"
+    # Writes the prefill side may issue at once from its writer threads. 1 unless the
+    # transport is known to be thread-safe (FlagCX's engine is not documented as such).
+    max_concurrent_writes: int = 1
 
     @abc.abstractmethod
     def register(self, address: int, size: int) -> None:

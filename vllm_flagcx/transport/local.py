@@ -72,6 +72,12 @@ class LocalTransport(Transport):
 
     name = "local"
 
+    @property
+    def max_concurrent_writes(self) -> int:  # type: ignore[override]
+        """process_vm_writev is thread-safe; device copies go through one CUDA context
+        and stay serial."""
+        return 1 if self.device_ranges else 4
+
     def __init__(self) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
         if not hasattr(self._libc, "process_vm_writev"):

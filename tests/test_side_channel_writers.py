@@ -1,0 +1,83 @@
+"""Writes run off the side-channel thread (real prefill worker, side channel and the
+memmove stand-in transport with a slow write): while one write is under way, handshakes
+are answered; a Release that arrives during the write is acknowledged only after it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pd_harness as pd
+import zmq
+from transport_standin import Faults
+
+from vllm_flagcx.connector import client
+from vllm_flagcx.connector import handshake as hs
+
+SLOW_WRITE = 2.0
+
+
+def _ask(port: int, message: hs.Message, timeout: float = 10.0) -> hs.Message:
+    return client.ask(zmq.Context.instance(), "127.0.0.1", port, message, timeout)
+
+
+def _slow_pull_started(p: pd.Instance, d: pd.Instance, port: int) -> tuple[str, dict]:
+    records = pd.run_prefill(p, [70])
+    tid = next(iter(records))
+    for _ in range(3):  # prefill's worker arms the transfer at its next step
+        p.step()
+    groups = len(d.workers[0].sheet.layout.block_sizes)
+    result: dict = {}
+
+    def pull() -> None:
+        result["reply"] = _ask(port, hs.PullRequest(tid, d.workers[0].sheet,
+                                                    ((1, 2, 3, 4, 5),) * groups))
+        result["at"] = time.monotonic()
+
+    thread = threading.Thread(target=pull, daemon=True)
+    thread.start()
+    result["thread"] = thread
+    deadline = time.monotonic() + 5
+    while p.workers[0]._writes_in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.workers[0]._writes_in_flight == 1
+    return tid, result
+
+
+def test_a_slow_write_does_not_stall_the_side_channel():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=Faults(delay_seconds=SLOW_WRITE))
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
+    try:
+        _, pull = _slow_pull_started(p, d, port)
+        answer = _ask(port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0))
+        assert isinstance(answer, hs.HandshakeReply)
+        assert p.workers[0].transport.write_done_at == []  # answered during the write
+        pull["thread"].join(timeout=10)
+        assert pull["reply"].ok and pull["reply"].num_bytes > 0
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_release_during_a_write_is_acknowledged_only_after_the_write():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=Faults(delay_seconds=SLOW_WRITE))
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
+    try:
+        tid, pull = _slow_pull_started(p, d, port)
+        ack = _ask(port, hs.Release(tid))
+        acked_at = time.monotonic()
+        assert isinstance(ack, hs.Ack)
+        written = p.workers[0].transport.write_done_at
+        assert len(written) == 1 and written[0] <= acked_at
+        pull["thread"].join(timeout=10)
+        assert pull["reply"].ok
+        for _ in range(3):
+            p.step()
+        assert p.scheduler.connector.scheduler.num_held == 0  # released, blocks freed
+    finally:
+        p.shutdown()
+        d.shutdown()
