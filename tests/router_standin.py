@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 def free_port() -> int:
@@ -39,6 +39,7 @@ class Upstream:
     text: str = "hello"
     return_params: bool = True
     cut_stream_after: int | None = None  # chunks, then the connection drops
+    raw_body: bytes | None = None  # answer 200 with exactly these bytes (not JSON, say)
     seen: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     port: int = 0
@@ -79,6 +80,8 @@ def _app(up: Upstream) -> FastAPI:
             await asyncio.sleep(0.05)
         if up.status != 200:
             return JSONResponse({"error": {"message": f"{up.role} says no"}}, up.status)
+        if up.raw_body is not None:
+            return Response(up.raw_body, 200, media_type="application/json")
         if body.get("stream"):
             async def events():
                 for i, word in enumerate(up.text.split()):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 
@@ -184,6 +185,62 @@ def test_bad_body_is_a_400():
             router([p], [d]) as (url, _):
         r = httpx.post(url + "/v1/completions", content=b"not json", timeout=10)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b'{"prompt": "x", "stream": "false"}', "stream must be true or false"),
+    (b'{"prompt": "x", "stream": 0}', "stream must be true or false"),
+    (b'{"prompt": "x", "temperature": NaN}', "NaN is not JSON"),
+    (b'{"prompt": "x", "temperature": -Infinity}', "-Infinity is not JSON"),
+    (b'{"prompt": "\\ud800"}', "lone UTF-16 surrogate"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
+    (b"\xff\xfe", "not UTF-8|must be JSON"),
+    (b"[1, 2]", "JSON object"),
+])
+def test_bodies_the_router_cannot_forward_are_a_400_naming_why(raw, match):
+    with rs.upstream("prefill") as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, proxy):
+        r = httpx.post(url + "/v1/completions", content=raw, timeout=20)
+    assert r.status_code == 400, r.text
+    assert re.search(match, r.json()["error"]["message"]), r.text
+    assert not p.seen and not d.seen
+    assert proxy.counters["bad_requests"] == 1 and not proxy.counters["client_disconnects"]
+
+
+def test_decode_answering_200_with_non_json_is_a_502_naming_it():
+    with rs.upstream("prefill") as p, rs.upstream("decode", raw_body=b"<html>oops") as d, \
+            router([p], [d]) as (url, proxy):
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert d.url in error["message"] and "not JSON" in error["message"]
+    assert proxy.counters["failed_decode"] == 1
+    assert all(i.in_flight == 0 for i in proxy.decode.instances)
+
+
+def test_concurrent_mode_with_the_side_channel_down_is_a_502_naming_prefill():
+    with rs.upstream("prefill") as p, rs.upstream("decode") as d:
+        p.side = rs.free_port()  # nothing listens there
+        with router([p], [d], mode="concurrent", connect_timeout=1.0) as (url, proxy):
+            r = httpx.post(url + "/v1/completions", json=BODY, timeout=20)
+    assert r.status_code == 502, r.text
+    message = r.json()["error"]["message"]
+    assert p.url in message and "side channel" in message
+    assert not d.seen and proxy.counters["failed_prefill"] == 1
+    assert not proxy.counters["client_disconnects"]
+
+
+def test_router_takes_the_side_channel_secret_and_refuses_a_short_one(tmp_path,
+                                                                      monkeypatch):
+    from vllm_flagcx.connector import auth
+
+    args = ["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]
+    monkeypatch.setenv(auth.SECRET_ENV, "s" * 24)
+    assert cli.build(cli.parser().parse_args(args)) is not None
+    short = tmp_path / "secret"
+    short.write_text("short")
+    with pytest.raises(RouterConfigError, match="--side-channel-secret-file"):
+        cli.build(cli.parser().parse_args([*args, "--side-channel-secret-file", str(short)]))
 
 
 @pytest.mark.parametrize("spec, match", [

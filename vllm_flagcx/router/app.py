@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import sys
 import time
 from typing import Any
 
@@ -15,6 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm_flagcx.router.proxy import LegError, Proxy
 
 DISCONNECT_POLL_S = 0.2
+MAX_JSON_DEPTH = sys.getrecursionlimit()
+logger = logging.getLogger("vllm_flagcx.router")
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -39,6 +44,39 @@ async def _or_disconnect(request: Request, work: Any) -> Any:
     return None
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"request body: {name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, strictly: what the router cannot forward as
+    valid JSON (NaN, Infinity, a lone surrogate, nesting deeper than Python parses) is a
+    400 naming the problem, and ``stream`` must be a JSON boolean (the string "false"
+    would otherwise turn a plain answer into an event stream)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except UnicodeDecodeError:
+        raise ValueError("request body is not UTF-8") from None
+    except ValueError as exc:
+        raise ValueError(str(exc) if "RFC 8259" in str(exc) else
+                         f"request body must be JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                         "unpaired): not valid Unicode") from None
+    except RecursionError:
+        raise ValueError(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ValueError(f"stream must be true or false (a JSON boolean), got "
+                         f"{json.dumps(body['stream'])[:40]}")
+    return body
+
+
 def _error(exc: LegError) -> JSONResponse:
     status = exc.status if 400 <= exc.status < 600 else 502
     return JSONResponse(exc.body(), status_code=status)
@@ -55,18 +93,25 @@ def build_app(proxy: Proxy) -> FastAPI:
 
     async def _route(path: str, request: Request) -> Response:
         try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"error": {"message": "request body must be JSON",
+            body = parse_body(await request.body())
+        except ValueError as exc:
+            proxy.counters["bad_requests"] += 1
+            return JSONResponse({"error": {"message": str(exc),
                                            "type": "invalid_request_error"}}, 400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "request body must be a JSON object",
-                                           "type": "invalid_request_error"}}, 400)
+        try:
+            return await _serve(path, request, body)
+        except Exception as exc:  # a bug: still a JSON answer, never a bare 500
+            proxy.counters["router_errors"] += 1
+            logger.exception("router: %s failed", path)
+            return JSONResponse({"error": {"message": f"router: {type(exc).__name__}: {exc}",
+                                           "type": "router_error", "code": 500}}, 500)
+
+    async def _serve(path: str, request: Request, body: dict[str, Any]) -> Response:
         try:
             flow = await _or_disconnect(request, proxy.start(path, body))
         except LegError as exc:
             return _error(exc)
-        if flow is None:
+        if flow is None:  # counted by proxy.start
             return Response(status_code=499)
         if body.get("stream"):
             return StreamingResponse(flow.stream(), media_type="text/event-stream")

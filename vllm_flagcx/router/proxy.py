@@ -165,13 +165,21 @@ class Proxy:
             from vllm_flagcx.connector import client, handshake
 
             assert instance.side_channel_port is not None
-            reply = await asyncio.to_thread(
-                client.ask, zmq.Context.instance(), instance.host, instance.side_channel_port,
-                handshake.HandshakeRequest(handshake.PROTOCOL_VERSION, 0),
-                self.settings.connect_timeout, None, self.settings.key)
+            where = f"side channel {instance.host}:{instance.side_channel_port}"
+            try:
+                reply = await asyncio.to_thread(
+                    client.ask, zmq.Context.instance(), instance.host,
+                    instance.side_channel_port,
+                    handshake.HandshakeRequest(handshake.PROTOCOL_VERSION, 0),
+                    self.settings.connect_timeout, None, self.settings.key)
+            except (TimeoutError, OSError, zmq.ZMQError, handshake.HandshakeError) as exc:
+                instance.failed += 1
+                raise LegError(502, "prefill", instance.url, f"{where}: {exc}") from None
             if not isinstance(reply, handshake.HandshakeReply):
+                instance.failed += 1
+                reason = getattr(reply, "reason", "")
                 raise LegError(502, "prefill", instance.url,
-                               f"side channel answered {type(reply).__name__}")
+                               f"{where} answered {type(reply).__name__} {reason}".strip())
             self._sheets[instance.url] = (reply.sheet.engine_id, reply.sheet.tp_size)
         engine_id, tp_size = self._sheets[instance.url]
         return {"do_remote_prefill": True, "do_remote_decode": False,
@@ -247,8 +255,11 @@ class Proxy:
             self.counters[f"failed_{exc.leg}"] += 1
             await flow.abandon()
             raise
-        except BaseException:  # cancelled: the client went away
+        except asyncio.CancelledError:  # the client went away
             self.counters["client_disconnects"] += 1
+            await flow.abandon()
+            raise
+        except BaseException:  # a bug: the caller answers it as a JSON 500
             await flow.abandon()
             raise
         return flow
@@ -318,8 +329,16 @@ class Flow:
             raise LegError(502, "decode", self.instance.url, f"answer cut: {exc!r}") from exc
         finally:
             await self.close()
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            self.instance.failed += 1
+            self.proxy.counters["failed_decode"] += 1
+            raise LegError(502, "decode", self.instance.url,
+                           f"answered 200 with a body that is not JSON: {data[:200]!r}"
+                           ) from None
         self.instance.served += 1
-        return 200, json.loads(data)
+        return 200, parsed
 
     async def stream(self) -> AsyncIterator[bytes]:
         """Decode's SSE bytes as they come; an error event if decode dies midway."""
