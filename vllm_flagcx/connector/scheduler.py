@@ -111,6 +111,7 @@ class SchedulerHalf:
         self._pending = FlagCXMetadataPayload()
         self._armed: dict[str, SendTask] = {}  # request_id -> held send
         self._held_ids: set[str] = set()  # their transfer ids (one request per id)
+        self._requeue_once: set[str] = set()  # failed loads: answer "not yet" once
         self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
         self._local_hit: dict[str, int] = {}  # request_id -> tokens D had locally
         self._recv_requests: dict[str, Any] = {}  # request_id -> Request while loading
@@ -149,7 +150,10 @@ class SchedulerHalf:
             return None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+                                   ) -> tuple[int | None, bool]:
+        if request.request_id in self._requeue_once:  # see holds_loaders_in_own_queue
+            self._requeue_once.discard(request.request_id)
+            return None, False
         params = self._params(request)
         if params.get("do_remote_decode") and self.has_mamba:
             compat_mamba.truncate_for_prefill(request, self.hash_block_size)
@@ -204,6 +208,7 @@ class SchedulerHalf:
         waiting = self._waiting_recv.pop(request.request_id, None)
         self._local_hit.pop(request.request_id, None)
         self._recv_requests.pop(request.request_id, None)
+        self._requeue_once.discard(request.request_id)
         self.heartbeats.unwatch(request.request_id)
         if params.get("do_remote_prefill") or waiting is not None:
             # Decode request ended before (or while) its KV arrived: tell prefill.
@@ -262,6 +267,8 @@ class SchedulerHalf:
             if request is None:
                 continue
             self.recomputed_after_failure += 1
+            if self.recovery.holds_loaders_in_own_queue:
+                self._requeue_once.add(req_id)
             if self.recovery.mode == NATIVE:
                 continue  # reported through KVConnectorOutput.failed_recving: vLLM's own
             if not self.recovery.recompute(request) and not self.has_sliding:
