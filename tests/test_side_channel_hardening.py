@@ -120,3 +120,27 @@ def test_non_object_kv_transfer_params_are_ignored_not_a_crash():
         assert not pd.busy(d)
     finally:
         d.shutdown()
+
+
+def test_an_unexpected_error_in_a_pull_thread_fails_the_request_not_strands_it(monkeypatch):
+    """A pull thread that raised used to die silently: its request waited forever with
+    its blocks. Now the error fails the request (recomputed) and prefill is released."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("a bug nobody caught")
+
+    try:
+        records = pd.run_prefill(p, [37])
+        monkeypatch.setattr(wk.hs, "check_compatible", broken)
+        pd.run_decode(p, d, records)
+        rec = next(iter(records.values()))
+        assert rec["d_req"] in pd.finished_ids(d)
+        assert d.workers[0].ledger.counts["recv"] == 1
+        assert "a bug nobody caught" in d.workers[0].ledger.recent[-1][3]
+        assert not pd.busy(p) and not pd.busy(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -297,7 +297,7 @@ class WorkerHalf:
                     continue
                 self._armed[task.transfer_id] = _Armed(task)
         for task in payload.recv.values():
-            self._spawn(self._pull, task)
+            self._spawn(self._pull_guarded, task)
         for transfer_id, remote in payload.release.items():
             self._spawn(self._release, transfer_id, remote, self.settings.handshake_timeout)
 
@@ -331,8 +331,9 @@ class WorkerHalf:
     def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
         import zmq
 
-        if self._zmq is None:
-            self._zmq = zmq.Context()
+        with self._lock:  # pull threads start at once; one context for all
+            if self._zmq is None:
+                self._zmq = zmq.Context()
         return client.ask(self._zmq, host, port, message, timeout,
                           probe_every=self.settings.peer_probe_seconds, key=self.settings.key)
 
@@ -353,6 +354,20 @@ class WorkerHalf:
                 raise hs.HandshakeError(f"unexpected handshake answer {type(reply).__name__}")
             self._peer_sheets[key] = (time.monotonic(), reply.sheet)
         return self._peer_sheets[key][1]
+
+    def _pull_guarded(self, task: RecvTask) -> None:
+        """``_pull``, and whatever it raises (a bug, a value nobody checked) fails the
+        request: a pull thread that died silently left its request waiting forever with
+        its blocks."""
+        try:
+            self._pull(task)
+        except Exception as exc:
+            flat = [b for g in task.block_ids for b in g]
+            error = f"internal error in the pull: {type(exc).__name__}: {exc}"
+            try:
+                self._fail_after_release(task, flat, error)
+            except Exception:
+                self.ledger.record("recv", task.request_id, flat, error)
 
     def _pull(self, task: RecvTask) -> None:
         flat = [b for g in task.block_ids for b in g]
