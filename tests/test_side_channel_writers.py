@@ -81,3 +81,29 @@ def test_release_during_a_write_is_acknowledged_only_after_the_write():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_pull_for_a_released_transfer_is_answered_at_once():
+    """Decode TP 2: one rank fails and releases the transfer; the other rank's pull, if it
+    comes after, used to wait out prefill's 30 s lease for an id that would never be
+    armed again. Now it is answered at once, naming why."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", lease_seconds=30.0)
+    d = pd.build_instance("kv_consumer", 2, port + 5, seed=1, model="dense")
+    try:
+        records = pd.run_prefill(p, [70])
+        tid = next(iter(records))
+        for _ in range(3):  # armed at prefill's next step
+            p.step()
+        assert isinstance(_ask(port, hs.Release(tid)), hs.Ack)  # the failed rank's release
+        groups = len(d.workers[1].sheet.layout.block_sizes)
+        late = _ask(port, hs.PullRequest(tid, d.workers[1].sheet, ((1, 2, 3, 4, 5),) * groups),
+                    timeout=5.0)
+        assert isinstance(late, hs.PullReply) and not late.ok
+        assert "released by decode" in late.error
+        for _ in range(3):
+            p.step()
+        assert not pd.busy(p)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,6 +68,7 @@ class WorkerSettings:
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
 MAX_TP = 1024
+MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
 MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
 
@@ -248,6 +249,10 @@ class WorkerHalf:
         self._connections: dict[str, object] = {}
         self._plan_tables: dict[tuple[str, int], plans.PlanTable] = {}
         self._receivers: dict[tuple[str, int], hs.FactSheet] = {}  # pinned at first pull
+        # Transfers that ended here (released, expired): a late pull for one is answered
+        # at once. Before, it waited a lease for an id that would never be armed (a
+        # sibling decode rank failed and released: the other rank waited ~30 s).
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self._connect_lock = threading.Lock()
         # Writes run on writer threads, never on the side-channel thread (one slow write
         # stalled every handshake, heartbeat and release behind it); their replies come
@@ -590,6 +595,7 @@ class WorkerHalf:
                     return None
                 if self._armed.pop(message.transfer_id, None) is not None:
                     self._done_sending.add(armed.task.request_id)
+                    self._end(message.transfer_id, "released by decode")
             return hs.Ack(message.transfer_id)
         if isinstance(message, hs.PullRequest):
             problem = pull_problem(message, len(self.settings.layout.block_sizes))
@@ -625,7 +631,12 @@ class WorkerHalf:
                     armed.receiver = pull.sheet.engine_id
                     self._writes_in_flight += 1
             if armed is None:
-                if now > deadline:
+                with self._lock:
+                    ended = self._ended.get(pull.transfer_id)
+                if ended is not None:
+                    out.append((ident, hs.PullReply(pull.transfer_id, False,
+                                                    f"transfer ended here: {ended}")))
+                elif now > deadline:
                     out.append((ident, hs.PullReply(pull.transfer_id, False,
                                                     "unknown or expired transfer id")))
                 else:
@@ -743,10 +754,18 @@ class WorkerHalf:
                                                       and armed.writes == 0)
             if done and self._armed.pop(pull.transfer_id, None):
                 self._done_sending.add(armed.task.request_id)
+                self._end(pull.transfer_id, "released by decode" if armed.release_waiters
+                          else "already pulled by every receiver rank")
             waiters, armed.release_waiters = (
                 (armed.release_waiters, []) if armed.writes == 0 else ([], armed.release_waiters))
         for ident in waiters:
             self._post(ident, hs.Ack(pull.transfer_id))
+
+    def _end(self, transfer_id: str, why: str) -> None:
+        """Remember (bounded) that ``transfer_id`` ended here; caller holds the lock."""
+        self._ended[transfer_id] = why
+        while len(self._ended) > MAX_ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -755,6 +774,7 @@ class WorkerHalf:
                        if a.task.deadline < now and not a.writes]
             for tid in expired:
                 self._done_sending.add(self._armed.pop(tid).task.request_id)
+                self._end(tid, "its lease expired")
                 self.stats["expired_leases"] += 1
 
     def take_stats(self) -> dict[str, float]:
