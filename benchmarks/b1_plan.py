@@ -2,7 +2,7 @@
 
 From "request metadata in hand" to "arrays ready for the transport":
 
-* ours: ``connector.plans.plan_transfer`` (kernel-block expansion, per-region addresses,
+* ours: ``layout.plans.plan_transfer`` (kernel-block expansion, per-region addresses,
   coalescing) -> uint64 src/dst/length arrays, as the prefill worker calls it per pull;
 * NIXL (the installed vLLM's ``NixlBaseConnectorWorker``): ``_logical_to_kernel_block_ids``
   and ``_compute_desc_ids`` for the remote and the local side, as ``_read_blocks`` calls
@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks import layout as L
 from benchmarks import report
-from vllm_flagcx.connector import plans
+from vllm_flagcx.layout import plans
 
 
 def nixl_planner(num_blocks: int, ratio: int) -> Any | None:

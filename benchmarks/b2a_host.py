@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks import layout as L
 from benchmarks import peer, report, use_test_helpers
-from vllm_flagcx.connector import plans
+from vllm_flagcx.layout import plans
 from vllm_flagcx.transport.local import LocalTransport
 
 

@@ -33,7 +33,7 @@ def _harness() -> Any:
 
 def _params(kind: str, i: int) -> dict[str, Any]:
     if kind == "flagcx":
-        from vllm_flagcx.connector.params import remote_prefill_params
+        from vllm_flagcx.wire.params import remote_prefill_params
 
         return remote_prefill_params(transfer_id=f"t{i}", host="127.0.0.1", port=CLOSED_PORT,
                                      tp_size=1, engine_id="prefill", block_sizes=[16])

@@ -16,10 +16,10 @@ from typing import Any
 
 from benchmarks import layout as L
 from benchmarks import peer, report, use_test_helpers
-from vllm_flagcx.connector import client
-from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector import worker as wk
 from vllm_flagcx.transport.local import LocalTransport
+from vllm_flagcx.wire import client
+from vllm_flagcx.wire import handshake as hs
 
 
 def _free_port() -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_flagcx.connector import regions as rg
+from vllm_flagcx.layout import regions as rg
 
 TP = 8
 BLOCK_TOKENS = 528

@@ -52,7 +52,7 @@ def prefill_side_channel(conn: Any, port: int, num_blocks: int) -> None:
 
 def layout_facts() -> Any:
     from benchmarks import layout as L
-    from vllm_flagcx.connector import handshake as hs
+    from vllm_flagcx.wire import handshake as hs
 
     return hs.LayoutFacts(model="Qwen/Qwen3.6-35B-A3B", dtype="bfloat16",
                           kv_cache_dtype="fp8_e4m3",

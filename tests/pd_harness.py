@@ -24,13 +24,13 @@ from transport_standin import Faults, MemmoveTransport
 
 from vllm_flagcx.compat import kv_cache, kv_layout
 from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
-from vllm_flagcx.compat.topology import head_range
-from vllm_flagcx.connector import auth
-from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
-from vllm_flagcx.connector.regions import ConvSplit
 from vllm_flagcx.connector.scheduler import reports_failures_per_request
 from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
+from vllm_flagcx.layout.regions import ConvSplit
+from vllm_flagcx.layout.topology import head_range
+from vllm_flagcx.wire import auth
+from vllm_flagcx.wire import handshake as hs
 
 KV_HEADS, HEAD_DIM, BLOCK = 2, 256, 16
 
@@ -283,7 +283,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    cache_format: str = "CPU_ATTN:isa=vec:layout=HND",
                    secret_file: str | None = None, engine_id: str | None = None
                    ) -> Instance:
-    """``secret_file``: the side-channel secret (connector.auth) for the scheduler (through
+    """``secret_file``: the side-channel secret (wire.auth) for the scheduler (through
     the extra config) and the workers."""
     hybrid = model == "hybrid"
     key = auth.load_key(secret_file)

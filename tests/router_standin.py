@@ -132,7 +132,7 @@ def side_channel() -> Iterator[tuple[int, list[Any]]]:
     fact sheet (engine ``standin-engine``, TP 2) and anything else with an ``Ack``."""
     import zmq
 
-    from vllm_flagcx.connector import handshake as hs
+    from vllm_flagcx.wire import handshake as hs
 
     port, seen, stop = free_port(), [], threading.Event()
     layout = hs.LayoutFacts(model="demo", dtype="bfloat16", kv_cache_dtype="auto",

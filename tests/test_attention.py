@@ -67,7 +67,7 @@ def test_cache_format_names_the_cpu_isa_so_an_amx_vec_pair_is_refused(monkeypatc
     import torch
 
     from vllm_flagcx.compat.attention import cache_format
-    from vllm_flagcx.connector import handshake as hs
+    from vllm_flagcx.wire import handshake as hs
 
     config = harness.make_vllm_config(block_size=32)
     layers = ["model.layers.0.self_attn.attn"]

@@ -14,8 +14,8 @@ import pytest
 import zmq
 from router_standin import free_port
 
-from vllm_flagcx.connector import client
-from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.wire import client
+from vllm_flagcx.wire import handshake as hs
 
 
 @pytest.fixture

@@ -178,24 +178,24 @@ def test_hybrid_prefix_caching_decode_is_refused_where_vllm_asserts():
         build("kv_consumer").shutdown()
 
 
-def test_burst_of_failed_receives_in_a_tight_decode_pool_all_finish():
-    """vLLM 0.34 keeps block-holding requests in ``kv_holding_waiting``, a queue it drains
-    first; a request whose load failed has its blocks freed but stayed at that queue's
-    head, and with a pool too tight for its recompute the scheduler stopped there every
-    step: 34 of 50 requests stuck for good (0.22 passed the same run). The connector
-    answers such a request's next lookup with "not yet", which moves it to the plain
-    waiting queue behind the block holders (``LoadFailureRecovery.
-    holds_loaders_in_own_queue``). Every request must finish, on every build.
+@pytest.mark.parametrize("num_blocks", [40, 48])
+def test_burst_of_failed_receives_in_a_tight_decode_pool_all_finish(num_blocks):
+    """vLLM frees a failed load's blocks and the request then waits to recompute at the
+    head of the queue of block holders, which the scheduler drains first and in order
+    (0.34's ``kv_holding_waiting``, 0.18-0.22's ``skipped_waiting``). With a pool too
+    tight for its recompute, admission stopped there every step while the loaded requests
+    behind it held the blocks: 17 of 30 stuck for good here on 0.22 (34 of 50 on 0.34 in
+    the issue). The request now yields ("not yet") while a block holder waits
+    (``SchedulerHalf._yields``). Every request must finish, on every build.
 
-    The pool (48 blocks, 30 requests of 70-126 tokens) fits one request's local recompute
-    beside the loaded ones. A pool that cannot (24-40 blocks here) stops vLLM's FCFS
-    admission at the recomputing request on 0.22 as well, connector or not: the loaded
-    requests behind it hold the blocks it waits for."""
+    The pool fits each request's local recompute (every token's blocks in every group:
+    130 tokens need 9 x 4 of the 39 usable blocks); a smaller one fits a loaded request
+    but never its recompute, which vLLM cannot run at all."""
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="hybrid", num_blocks=400,
                           faults=Faults(fail_write_at=frozenset(range(0, 40, 3))))
     d = pd.build_instance("kv_consumer", 1, port + 5, model="hybrid", recv_timeout=3.0,
-                          seed=1, num_blocks=48)
+                          seed=1, num_blocks=num_blocks)
     try:
         records = pd.run_prefill(p, [70 + 7 * (i % 9) for i in range(30)], timeout=120)
         assert all(r["params"] for r in records.values())

@@ -11,7 +11,7 @@ import pd_harness as pd
 import pytest
 
 from vllm_flagcx.connector import fault_knobs
-from vllm_flagcx.connector.regions import Region
+from vllm_flagcx.layout.regions import Region
 
 
 def test_fault_is_refused_where_faults_are_off_and_must_be_named():

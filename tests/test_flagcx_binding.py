@@ -18,7 +18,7 @@ import numpy as np
 import peers
 import pytest
 
-from vllm_flagcx.connector import plans, regions
+from vllm_flagcx.layout import plans, regions
 from vllm_flagcx.transport import flagcx as fx
 
 SOURCE = Path(__file__).parent / "flagcx_standin" / "flagcx_standin.c"

@@ -19,11 +19,11 @@ import pd_harness as pd
 import router_standin as rs
 import zmq
 
-from vllm_flagcx.connector import client
-from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.router.app import build_app
 from vllm_flagcx.router.pool import Instance, Pool
 from vllm_flagcx.router.proxy import Proxy, RouterSettings
+from vllm_flagcx.wire import client
+from vllm_flagcx.wire import handshake as hs
 
 SEED = 20261204
 CASES = 150

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_flagcx.connector import handshake as hs
-from vllm_flagcx.connector.params import (
+from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.params import (
     TransferParamsError,
     parse_remote_prefill,
     remote_prefill_params,

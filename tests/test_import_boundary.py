@@ -67,7 +67,7 @@ def test_router_and_side_channel_client_import_neither_vllm_nor_torch():
     work, and where vLLM is installed it must not be loaded (28 s under load, measured)."""
     loaded = _modules_after_import(
         "import vllm_flagcx.router.proxy, vllm_flagcx.router.app, vllm_flagcx.router.cli\n"
-        "from vllm_flagcx.connector import client, handshake")
+        "from vllm_flagcx.wire import client, handshake")
     heavy = {m for m in loaded if m.split(".")[0] in {"vllm", "torch", "transformers"}}
     assert heavy == set()
     assert "vllm_flagcx.connector.entry" not in loaded

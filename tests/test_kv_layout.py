@@ -8,7 +8,7 @@ import torch
 import vllm_harness as harness
 
 from vllm_flagcx.compat import kv_layout
-from vllm_flagcx.connector.regions import RegionError
+from vllm_flagcx.layout.regions import RegionError
 
 
 @pytest.mark.parametrize("conv_layout", ["SD", "DS"])

@@ -6,7 +6,7 @@ import numpy as np
 import peers
 import pytest
 
-from vllm_flagcx.connector import plans, regions
+from vllm_flagcx.layout import plans, regions
 from vllm_flagcx.transport.base import TransportError
 from vllm_flagcx.transport.local import IOV_MAX, LocalTransport
 

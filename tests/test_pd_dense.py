@@ -85,8 +85,8 @@ def test_stats_count_bytes_and_failures():
 
 
 def test_decode_heartbeats_keep_the_prefill_lease():
-    from vllm_flagcx.connector.heartbeat import HeartbeatSender
-    from vllm_flagcx.connector.params import parse_remote_prefill
+    from vllm_flagcx.wire.heartbeat import HeartbeatSender
+    from vllm_flagcx.wire.params import parse_remote_prefill
 
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 2, port, model="dense", lease_seconds=0.6)

@@ -14,9 +14,9 @@ import itertools
 import numpy as np
 import pytest
 
-from vllm_flagcx.compat.topology import head_range
-from vllm_flagcx.connector import plans, regions
-from vllm_flagcx.connector.plans import PlanError, RankPair
+from vllm_flagcx.layout import plans, regions
+from vllm_flagcx.layout.plans import PlanError, RankPair
+from vllm_flagcx.layout.topology import head_range
 
 RNG = np.random.default_rng(1234)
 TP_PAIRS = [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4), (4, 1), (1, 4)]

@@ -232,7 +232,7 @@ def test_concurrent_mode_with_the_side_channel_down_is_a_502_naming_prefill():
 
 def test_router_takes_the_side_channel_secret_and_refuses_a_short_one(tmp_path,
                                                                       monkeypatch):
-    from vllm_flagcx.connector import auth
+    from vllm_flagcx.wire import auth
 
     args = ["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]
     monkeypatch.setenv(auth.SECRET_ENV, "s" * 24)

@@ -18,8 +18,10 @@ import pytest
 import vllm_harness as harness
 import zmq
 
-from vllm_flagcx.connector import auth, client, integrity, plans
-from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector import integrity
+from vllm_flagcx.layout import plans
+from vllm_flagcx.wire import auth, client
+from vllm_flagcx.wire import handshake as hs
 
 SECRET = "correct horse battery staple 42"
 

@@ -12,9 +12,9 @@ import pd_harness as pd
 import vllm_harness as harness
 import zmq
 
-from vllm_flagcx.connector import client
-from vllm_flagcx.connector import handshake as hs
 from vllm_flagcx.connector import worker as wk
+from vllm_flagcx.wire import client
+from vllm_flagcx.wire import handshake as hs
 
 
 def _ask(port: int, message: hs.Message) -> hs.Message:

@@ -11,8 +11,8 @@ import pd_harness as pd
 import zmq
 from transport_standin import Faults
 
-from vllm_flagcx.connector import client
-from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.wire import client
+from vllm_flagcx.wire import handshake as hs
 
 SLOW_WRITE = 2.0
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from vllm_flagcx.compat import topology as t
 from vllm_flagcx.compat.probe import optional
+from vllm_flagcx.layout import topology as t
 
 CASES = [(lt, rt, h) for lt, rt in itertools.product([1, 2, 4, 8], repeat=2)
          for h in (1, 2, 4, 8, 16)]

@@ -69,7 +69,7 @@ def tp_rank() -> int:
 
 def gdn_conv_split(hf_config: Any, tp_size: int) -> Any | None:
     """The [Q | K | V] conv channel split of a Gated DeltaNet layer on one rank."""
-    from vllm_flagcx.connector.regions import ConvSplit
+    from vllm_flagcx.layout.regions import ConvSplit
 
     text = getattr(hf_config, "text_config", hf_config)
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
-from vllm_flagcx.connector import regions as R
+from vllm_flagcx.layout import regions as R
 
 
 def _nbytes_stride(tensor: Any, dim: int) -> int:

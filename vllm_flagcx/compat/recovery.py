@@ -89,19 +89,6 @@ class LoadFailureRecovery:
         self.mode = recovery_mode(type(scheduler) if scheduler is not None else None)
         self._scheduler = weakref.ref(scheduler) if scheduler is not None else None
 
-    @property
-    def holds_loaders_in_own_queue(self) -> bool:
-        """Does this Scheduler keep requests that hold KV blocks in a queue it always
-        drains first (0.34's ``kv_holding_waiting``)?
-
-        There a request whose load failed has its blocks freed but stays at that queue's
-        head; when the pool is too tight to allocate its recompute, the scheduler stops
-        at it every step and the block holders behind it never run: measured, 34 of 50
-        requests stuck for good. Answering its next lookup with "not yet" moves it to
-        the plain waiting queue (``Scheduler.schedule``'s ``skip_request``)."""
-        scheduler = self._scheduler() if self._scheduler is not None else None
-        return hasattr(scheduler, "kv_holding_waiting")
-
     def recompute(self, request: Any) -> bool:
         """Mark ``request`` (still waiting for its KV) to recompute from a clean block
         table; False when this build or state offers no such path (nothing changed)."""

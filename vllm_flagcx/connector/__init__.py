@@ -5,7 +5,7 @@ importing it only defines classes: no transport, no library load, no threads.
 
 The package itself is light: ``FlagCXConnector`` (which pulls in vLLM through ``compat``)
 is resolved on first access (PEP 562), so the router can use the side channel's client
-(``connector.client``, ``connector.handshake``) with neither vLLM nor torch installed.
+(``wire.client``, ``wire.handshake``) with neither vLLM nor torch installed.
 vLLM's loader does ``getattr(module, "FlagCXConnector")``, which this serves.
 """
 

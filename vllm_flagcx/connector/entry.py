@@ -36,7 +36,6 @@ from vllm_flagcx.compat.connector_api import (
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
-from vllm_flagcx.connector import auth
 from vllm_flagcx.connector.scheduler import (
     FlagCXMetadataPayload,
     SchedulerHalf,
@@ -44,6 +43,7 @@ from vllm_flagcx.connector.scheduler import (
     reports_failures_per_request,
 )
 from vllm_flagcx.connector.settings import SettingsError, checked_extra_config
+from vllm_flagcx.wire import auth
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -172,7 +172,7 @@ class FlagCXConnector(PortableConnectorBase):
                 f"{self.tp_size} and this DP rank the side channel would need ports up to "
                 f"{self.side_channel_port + self.tp_size - 1}; use a lower base port")
         self.engine_id = str(getattr(ktc, "engine_id", None) or "flagcx")
-        # The side channel's MAC key (connector.auth): loaded once, never logged.
+        # The side channel's MAC key (wire.auth): loaded once, never logged.
         self._key = auth.load_key(self._extra(auth.SECRET_FILE_KEY))
         self.scheduler: SchedulerHalf | None = None
         self.worker: Any = None
@@ -247,13 +247,13 @@ class FlagCXConnector(PortableConnectorBase):
     # ---------------------------------------------------------------- worker side
     def _make_worker(self, regions: list[Any], host_memory: bool) -> Any:
         from vllm_flagcx.compat import mamba as compat_mamba
-        from vllm_flagcx.connector import handshake as hs
         from vllm_flagcx.connector.worker import (
             WorkerHalf,
             WorkerSettings,
             kernel_ratios,
             model_page_bytes,
         )
+        from vllm_flagcx.wire import handshake as hs
 
         vllm_config = self._vllm_config
         model = vllm_config.model_config

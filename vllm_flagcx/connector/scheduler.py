@@ -27,8 +27,8 @@ from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
-from vllm_flagcx.connector.heartbeat import HeartbeatSender
-from vllm_flagcx.connector.params import (
+from vllm_flagcx.wire.heartbeat import HeartbeatSender
+from vllm_flagcx.wire.params import (
     RemotePrefill,
     TransferParamsError,
     parse_remote_prefill,
@@ -79,6 +79,17 @@ class SchedulerSettings:
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
 
+MAX_YIELDS = 5000  # scheduler lookups a failed load's request lets block holders go first
+
+
+def _holds_and_waits(request: Any, load_failed: bool) -> bool:
+    """Does this decode request hold blocks without running yet? By vLLM's RequestStatus
+    name (the same on every build): a load in flight, or done and not yet scheduled; a
+    failed load only until vLLM frees its blocks (it is WAITING again, holding none)."""
+    status = getattr(getattr(request, "status", None), "name", "")
+    return status == "WAITING_FOR_REMOTE_KVS" or (status == "WAITING" and not load_failed)
+
+
 def reports_failures_per_request(groups: list[Any]) -> bool:
     """Must a failed receive be reported per request rather than as invalid blocks?
 
@@ -111,7 +122,10 @@ class SchedulerHalf:
         self._pending = FlagCXMetadataPayload()
         self._armed: dict[str, SendTask] = {}  # request_id -> held send
         self._held_ids: set[str] = set()  # their transfer ids (one request per id)
-        self._requeue_once: set[str] = set()  # failed loads: answer "not yet" once
+        # Decode requests that hold blocks and do not run yet: request_id -> (Request,
+        # its load failed). A failed load's request yields to them (see _yields).
+        self._holders: dict[str, tuple[Any, bool]] = {}
+        self._yields_left: dict[str, int] = {}
         self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
         self._local_hit: dict[str, int] = {}  # request_id -> tokens D had locally
         self._recv_requests: dict[str, Any] = {}  # request_id -> Request while loading
@@ -151,9 +165,8 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if request.request_id in self._requeue_once:  # see holds_loaders_in_own_queue
-            self._requeue_once.discard(request.request_id)
-            return None, False
+        if self._yields(request.request_id):
+            return None, False  # "not yet": vLLM skips it this step (every build >= 0.13)
         params = self._params(request)
         if params.get("do_remote_decode") and self.has_mamba:
             compat_mamba.truncate_for_prefill(request, self.hash_block_size)
@@ -193,6 +206,7 @@ class SchedulerHalf:
             request.request_id, remote, ids, num_external_tokens, offsets)
         self._waiting_recv[request.request_id] = remote
         self._recv_requests[request.request_id] = request
+        self._holders[request.request_id] = (request, False)
 
     # -------------------------------------------------------------------- both sides
     def build_payload(self) -> FlagCXMetadataPayload:
@@ -208,7 +222,8 @@ class SchedulerHalf:
         waiting = self._waiting_recv.pop(request.request_id, None)
         self._local_hit.pop(request.request_id, None)
         self._recv_requests.pop(request.request_id, None)
-        self._requeue_once.discard(request.request_id)
+        self._holders.pop(request.request_id, None)
+        self._yields_left.pop(request.request_id, None)
         self.heartbeats.unwatch(request.request_id)
         if params.get("do_remote_prefill") or waiting is not None:
             # Decode request ended before (or while) its KV arrived: tell prefill.
@@ -267,8 +282,9 @@ class SchedulerHalf:
             if request is None:
                 continue
             self.recomputed_after_failure += 1
-            if self.recovery.holds_loaders_in_own_queue:
-                self._requeue_once.add(req_id)
+            if self.recovery.mode is not None:  # vLLM frees its blocks: see _yields
+                self._holders[req_id] = (request, True)
+                self._yields_left[req_id] = MAX_YIELDS
             if self.recovery.mode == NATIVE:
                 continue  # reported through KVConnectorOutput.failed_recving: vLLM's own
             if not self.recovery.recompute(request) and not self.has_sliding:
@@ -276,10 +292,38 @@ class SchedulerHalf:
         for req_id in finished_recving or ():
             self._waiting_recv.pop(req_id, None)
             self._recv_requests.pop(req_id, None)
+        self._holders = {rid: h for rid, h in self._holders.items() if _holds_and_waits(*h)}
         for req_id in finished_sending or ():
             task = self._armed.pop(req_id, None)
             if task is not None:
                 self._held_ids.discard(task.transfer_id)
+
+    def _yields(self, request_id: str) -> bool:
+        """Must this request, whose load failed, let the block holders go first?
+
+        vLLM frees a failed load's blocks, and the request then waits to recompute at
+        the head of the queue of block holders (0.34's ``kv_holding_waiting``,
+        0.18-0.22's ``skipped_waiting``), which the scheduler drains first and in order.
+        When the pool cannot fit its recompute, admission stops at it every step, and the
+        requests behind it that hold blocks (loads in flight, loaded ones waiting to run,
+        other failed loads not yet freed) never get there: measured, 17-34 of 30-50
+        requests stuck for good after a burst of failed receives. So it answers "not
+        yet" while any of those waits; they need only their last token to run, or free
+        their blocks. Bounded (``MAX_YIELDS`` lookups) so a steady stream of new loads
+        cannot starve it; once it stops yielding nothing behind it is admitted, so the
+        running requests' blocks come back to it."""
+        left = self._yields_left.get(request_id)
+        if left is None:
+            return False
+        if left > 0 and any(_holds_and_waits(r, failed)
+                            for rid, (r, failed) in self._holders.items() if rid != request_id):
+            self._yields_left[request_id] = left - 1
+            return True
+        if left <= 0:
+            logger.warning("FlagCX: request %s stopped yielding to block holders after %d "
+                           "lookups", request_id, MAX_YIELDS)
+        del self._yields_left[request_id]
+        return False
 
     def shutdown(self) -> None:
         self.heartbeats.stop()

@@ -31,12 +31,14 @@ from typing import Any
 
 import msgspec
 
-from vllm_flagcx.connector import auth, client, fault_knobs, integrity, plans
-from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.connector import fault_knobs, integrity
 from vllm_flagcx.connector.host_cpus import allowed_cpus
-from vllm_flagcx.connector.regions import Region, Section, unique_storages
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload, RecvTask, SendTask
+from vllm_flagcx.layout import plans
+from vllm_flagcx.layout.regions import Region, Section, unique_storages
 from vllm_flagcx.transport.base import Transport
+from vllm_flagcx.wire import auth, client
+from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
 

@@ -45,7 +45,7 @@ def build(args: argparse.Namespace):
     decode = Pool("decode", [parse_instance(s, "decode") for s in args.decode])
     if any(i.side_channel_port is not None for i in decode.instances):
         raise RouterConfigError("--decode takes only a URL")
-    from vllm_flagcx.connector import auth
+    from vllm_flagcx.wire import auth
 
     try:
         key = auth.load_key(args.side_channel_secret_file)

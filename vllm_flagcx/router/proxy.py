@@ -162,7 +162,7 @@ class Proxy:
         if instance.url not in self._sheets:
             import zmq
 
-            from vllm_flagcx.connector import client, handshake
+            from vllm_flagcx.wire import client, handshake
 
             assert instance.side_channel_port is not None
             where = f"side channel {instance.host}:{instance.side_channel_port}"
@@ -224,7 +224,7 @@ class Proxy:
         """Free what prefill holds for a request nobody will decode."""
         if not params or "remote_port" not in params:
             return
-        from vllm_flagcx.connector.client import release_transfer
+        from vllm_flagcx.wire.client import release_transfer
 
         errors = await asyncio.to_thread(
             release_transfer, str(params.get("remote_host")), int(params["remote_port"]),

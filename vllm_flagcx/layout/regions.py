@@ -2,7 +2,7 @@
 
 Pure data and pure functions (no torch, no vLLM): the worker reads tensor facts through
 ``vllm_flagcx.compat`` and calls one function per layer kind here. A plan
-(``connector.plans``) only needs these descriptions.
+(``layout.plans``) only needs these descriptions.
 
 Model. A ``Region`` is one registered range repeated per block: block ``b`` starts at
 ``base + b * block_stride``. Inside a block, ``Section``s say which bytes belong to which

@@ -9,7 +9,7 @@ A plan is computed for one (sender rank, receiver rank) pair:
   ranges, so P_TP > D_TP writes each P rank's slice inside D's block and P_TP < D_TP sends
   the part a D rank holds;
 * when units are replicated on the sender side (MLA, or more ranks than KV heads), only the
-  sender that the receiver designates (``compat.topology.target_remote_ranks``) sends;
+  sender that the receiver designates (``layout.topology.target_remote_ranks``) sends;
 * partial prefix hits: the receiver asks for fewer blocks, the sender sends its tail;
 * descriptors contiguous on both sides are merged (whole blocks in consecutive runs
   collapse to one descriptor per run).
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_flagcx.compat.topology import head_range, kv_heads_per_rank, target_remote_ranks
-from vllm_flagcx.connector.regions import Region, Section
+from vllm_flagcx.layout.regions import Region, Section
+from vllm_flagcx.layout.topology import head_range, kv_heads_per_rank, target_remote_ranks
 
 _U64 = np.uint64
 

@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from vllm_flagcx.connector.handshake import HandshakeError
+from vllm_flagcx.wire.handshake import HandshakeError
 
 SECRET_ENV = "VLLM_FLAGCX_SIDE_CHANNEL_SECRET"
 # A file, not the secret itself: vLLM logs its kv_transfer_config (extra config included)

@@ -12,9 +12,9 @@ import logging
 import threading
 from collections import defaultdict
 
-from vllm_flagcx.connector import auth
-from vllm_flagcx.connector import handshake as hs
-from vllm_flagcx.connector.params import RemotePrefill
+from vllm_flagcx.wire import auth
+from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.params import RemotePrefill
 
 logger = logging.getLogger("vllm_flagcx")
 

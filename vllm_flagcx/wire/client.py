@@ -12,8 +12,8 @@ import socket
 import time
 from typing import Any
 
-from vllm_flagcx.connector import auth
-from vllm_flagcx.connector import handshake as hs
+from vllm_flagcx.wire import auth
+from vllm_flagcx.wire import handshake as hs
 
 
 class PeerGoneError(ConnectionError):
