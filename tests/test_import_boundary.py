@@ -91,3 +91,67 @@ def test_connector_import_is_side_effect_free():
     assert int(fields["THREADS"]) <= 0  # vLLM's own imports may start none of ours
     assert not any(m.startswith("vllm_flagcx.transport.") for m in loaded)
     assert "vllm_flagcx.connector.worker" not in loaded
+
+
+# Which vllm_flagcx packages each package may import (itself always). Lower layers never
+# import higher ones: layout is the pure floor, wire holds the contracts that cross a
+# process boundary, compat wraps vLLM, transport moves bytes, the connector is built on
+# all of them; the router speaks only wire.
+LAYERS = {
+    "layout": set(),
+    "wire": {"layout"},
+    "compat": {"layout", "wire"},
+    "transport": {"layout"},
+    "connector": {"layout", "wire", "compat", "transport"},
+    "router": {"wire"},
+    "demo": {"router", "wire", "compat"},
+}
+
+
+def _package_imports(path: Path) -> set[str]:
+    """The vllm_flagcx subpackages a file imports (absolute imports, any depth)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                 and node.level == 0 else [])
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "vllm_flagcx" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_no_package_imports_a_layer_above_it():
+    offenders = []
+    for package, allowed in LAYERS.items():
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            extra = _package_imports(path) - allowed - {package}
+            if extra:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)} imports {sorted(extra)}")
+    assert offenders == [], offenders
+
+
+def test_every_package_has_a_layer_and_is_shipped():
+    import tomllib
+
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(LAYERS), "give a new package its place in LAYERS"
+    shipped = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    listed = set(shipped["tool"]["setuptools"]["packages"])
+    assert {f"vllm_flagcx.{p}" for p in packages} <= listed, "pyproject.toml packages"
+
+
+def test_kv_transfer_params_keys_are_spelled_in_the_schema_only():
+    """One schema (``wire.params``) for the router, prefill and decode: no other module
+    writes the keys as string literals (docstrings may mention them)."""
+    keys = {"do_remote_prefill", "do_remote_decode"}
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "wire" / "params.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and node.value in keys:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert offenders == [], offenders

@@ -27,6 +27,7 @@ from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
+from vllm_flagcx.wire import params as wire_params
 from vllm_flagcx.wire.heartbeat import HeartbeatSender
 from vllm_flagcx.wire.params import (
     RemotePrefill,
@@ -152,7 +153,7 @@ class SchedulerHalf:
 
     def _remote(self, request: Any) -> RemotePrefill | None:
         params = self._params(request)
-        if not params or not params.get("do_remote_prefill"):
+        if not params or not wire_params.wants_remote_prefill(params):
             return None
         try:
             return parse_remote_prefill(params)
@@ -160,7 +161,7 @@ class SchedulerHalf:
             # Bad input never strands a request: it is computed locally instead.
             self.rejected_params += 1
             logger.warning("request %s: %s; computing it locally", request.request_id, exc)
-            params["do_remote_prefill"] = False
+            wire_params.mark_loaded(params)
             return None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -168,7 +169,7 @@ class SchedulerHalf:
         if self._yields(request.request_id):
             return None, False  # "not yet": vLLM skips it this step (every build >= 0.13)
         params = self._params(request)
-        if params.get("do_remote_decode") and self.has_mamba:
+        if wire_params.wants_remote_decode(params) and self.has_mamba:
             compat_mamba.truncate_for_prefill(request, self.hash_block_size)
         if self._remote(request) is None:
             return 0, False
@@ -187,7 +188,7 @@ class SchedulerHalf:
         if remote is None:
             return
         self.heartbeats.unwatch(request.request_id)
-        request.kv_transfer_params["do_remote_prefill"] = False  # never load twice
+        wire_params.mark_loaded(request.kv_transfer_params)  # never load twice
         if num_external_tokens <= 0:
             # Everything was a local hit: prefill still holds blocks; free them there.
             self._pending.release[remote.transfer_id] = remote
@@ -225,7 +226,7 @@ class SchedulerHalf:
         self._holders.pop(request.request_id, None)
         self._yields_left.pop(request.request_id, None)
         self.heartbeats.unwatch(request.request_id)
-        if params.get("do_remote_prefill") or waiting is not None:
+        if wire_params.wants_remote_prefill(params) or waiting is not None:
             # Decode request ended before (or while) its KV arrived: tell prefill.
             remote = waiting or self._remote(request)
             if remote is not None:
@@ -236,7 +237,7 @@ class SchedulerHalf:
             # pull ends (done, failed or timed out) in finished_recving, which is where
             # vLLM frees the blocks of a request that already finished.
             return True, None
-        if not params.get("do_remote_decode") or not self._finished_by_length(request):
+        if not wire_params.wants_remote_decode(params) or not self._finished_by_length(request):
             return False, None
         ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]
         transfer_id = str(params.get("transfer_id") or request.request_id)

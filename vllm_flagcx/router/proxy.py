@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from vllm_flagcx.router.pool import Instance, Pool, RouterConfigError
+from vllm_flagcx.wire import params as params_schema
 
 logger = logging.getLogger("vllm_flagcx.router")
 
@@ -78,8 +79,7 @@ def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out["ignore_eos"] = True  # an EOS first token must not end it as "stopped"
-    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                 "transfer_id": transfer_id}
+    out["kv_transfer_params"] = params_schema.prefill_leg_params(transfer_id)
     return out
 
 
@@ -118,7 +118,7 @@ class Proxy:
             timeout=httpx.Timeout(settings.decode_timeout, connect=settings.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.counters: dict[str, float] = defaultdict(float)
-        self._sheets: dict[str, tuple[str, int]] = {}
+        self._sheets: dict[str, tuple[str, int, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ legs
     async def run_prefill(self, path: str, body: dict[str, Any], transfer_id: str
@@ -180,12 +180,13 @@ class Proxy:
                 reason = getattr(reply, "reason", "")
                 raise LegError(502, "prefill", instance.url,
                                f"{where} answered {type(reply).__name__} {reason}".strip())
-            self._sheets[instance.url] = (reply.sheet.engine_id, reply.sheet.tp_size)
-        engine_id, tp_size = self._sheets[instance.url]
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                "transfer_id": transfer_id, "remote_host": instance.host,
-                "remote_port": instance.side_channel_port, "remote_tp_size": tp_size,
-                "remote_engine_id": engine_id}
+            self._sheets[instance.url] = (reply.sheet.engine_id, reply.sheet.tp_size,
+                                          tuple(reply.sheet.layout.block_sizes))
+        engine_id, tp_size, block_sizes = self._sheets[instance.url]
+        assert instance.side_channel_port is not None
+        return params_schema.remote_prefill_params(
+            transfer_id=transfer_id, host=instance.host, port=instance.side_channel_port,
+            tp_size=tp_size, engine_id=engine_id, block_sizes=block_sizes)
 
     async def open_decode(self, path: str, body: dict[str, Any],
                           params: dict[str, Any] | None) -> tuple[Instance, httpx.Response]:

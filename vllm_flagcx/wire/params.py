@@ -73,12 +73,35 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     return RemotePrefill(transfer_id, host, port, tp, engine, tuple(sizes), fault)
 
 
+REMOTE_PREFILL = "do_remote_prefill"  # decode: load this request's KV from prefill
+REMOTE_DECODE = "do_remote_decode"  # prefill: hold this request's KV for a decode
+
+
+def wants_remote_prefill(params: Mapping[str, Any]) -> bool:
+    return bool(params.get(REMOTE_PREFILL))
+
+
+def wants_remote_decode(params: Mapping[str, Any]) -> bool:
+    return bool(params.get(REMOTE_DECODE))
+
+
+def mark_loaded(params: dict[str, Any]) -> None:
+    """Decode allocated (or gave up on) this load: never load it twice."""
+    params[REMOTE_PREFILL] = False
+
+
+def prefill_leg_params(transfer_id: str) -> dict[str, Any]:
+    """What the router sends prefill: hold the KV under ``transfer_id``."""
+    return {REMOTE_DECODE: True, REMOTE_PREFILL: False, "transfer_id": transfer_id}
+
+
 def remote_prefill_params(*, transfer_id: str, host: str, port: int, tp_size: int,
                           engine_id: str, block_sizes: tuple[int, ...]) -> dict[str, Any]:
-    """What prefill returns for decode (``request_finished_all_groups``)."""
+    """What prefill returns for decode (``request_finished_all_groups``); the router's
+    concurrent mode builds the same from prefill's fact sheet before prefill answers."""
     return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
+        REMOTE_PREFILL: True,
+        REMOTE_DECODE: False,
         "transfer_id": transfer_id,
         "remote_host": host,
         "remote_port": port,
