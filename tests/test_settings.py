@@ -61,3 +61,18 @@ def test_the_connector_refuses_at_startup_on_the_real_scheduler():
     config.parallel_config.tensor_parallel_size = 2
     with pytest.raises(SettingsError, match="ports up to 65536"):
         harness.make_scheduler(config, harness.dense_kv_cache_config())
+
+
+def test_settings_object_holds_every_checked_key_once_with_its_default():
+    import dataclasses
+
+    from vllm_flagcx.connector.settings import KEYS, ConnectorSettings
+
+    fields = {f.name for f in dataclasses.fields(ConnectorSettings)} - {"raw"}
+    assert fields == set(KEYS)  # a key added to one is added to the other
+    s = ConnectorSettings.from_extra({"lease_seconds": "12", "verify_integrity": "false",
+                                      "side_channel_bind": "::1", "my_plugin_key": 3})
+    assert s.lease_seconds == 12.0 and s.verify_integrity is False
+    assert s.pull_timeout == 22.0 and s.bind_host == "::1"
+    assert s.raw["my_plugin_key"] == 3  # unknown keys kept for transport plugins
+    assert ConnectorSettings.from_extra(None).bind_host == "127.0.0.1"

@@ -42,7 +42,10 @@ from vllm_flagcx.connector.scheduler import (
     SchedulerSettings,
     reports_failures_per_request,
 )
-from vllm_flagcx.connector.settings import SettingsError, checked_extra_config
+from vllm_flagcx.connector.settings import (
+    ConnectorSettings,
+    SettingsError,
+)
 from vllm_flagcx.wire import auth
 
 logger = logging.getLogger("vllm_flagcx")
@@ -51,7 +54,6 @@ TRANSPORTS = {
     "flagcx": "vllm_flagcx.transport.flagcx:create_transport",
     "local": "vllm_flagcx.transport.local:create_transport",
 }
-DEFAULT_SIDE_CHANNEL_PORT = 5600
 
 
 class FlagCXConnectorMetadata(KVConnectorMetadata):
@@ -160,11 +162,12 @@ class FlagCXConnector(PortableConnectorBase):
         self.is_scheduler = role_is_scheduler(role)
         ktc = vllm_config.kv_transfer_config
         # Every key checked once, here, at startup (connector.settings says why).
-        extra = checked_extra_config(getattr(ktc, "kv_connector_extra_config", None))
-        self._extra = lambda key, default=None: extra.get(key, default)
+        self.settings = ConnectorSettings.from_extra(
+            getattr(ktc, "kv_connector_extra_config", None))
+        self._extra = lambda key, default=None: self.settings.raw.get(key, default)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
-        base_port = int(self._extra("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT))
+        base_port = self.settings.side_channel_port
         self.side_channel_port = base_port + compat_config.dp_index(parallel) * self.tp_size
         if self.side_channel_port + self.tp_size - 1 > 65535:
             raise SettingsError(
@@ -173,7 +176,7 @@ class FlagCXConnector(PortableConnectorBase):
                 f"{self.side_channel_port + self.tp_size - 1}; use a lower base port")
         self.engine_id = str(getattr(ktc, "engine_id", None) or "flagcx")
         # The side channel's MAC key (wire.auth): loaded once, never logged.
-        self._key = auth.load_key(self._extra(auth.SECRET_FILE_KEY))
+        self._key = auth.load_key(self.settings.side_channel_secret_file)
         self.scheduler: SchedulerHalf | None = None
         self.worker: Any = None
         if self.is_scheduler:
@@ -181,9 +184,9 @@ class FlagCXConnector(PortableConnectorBase):
             recovery = LoadFailureRecovery(find_owning_scheduler())
             self.scheduler = SchedulerHalf(SchedulerSettings(
                 engine_id=self.engine_id,
-                side_channel_host=str(self._extra("side_channel_host", "127.0.0.1")),
+                side_channel_host=self.settings.side_channel_host,
                 side_channel_port=self.side_channel_port, tp_size=self.tp_size,
-                lease_seconds=float(self._extra("lease_seconds", 30.0)), key=self._key),
+                lease_seconds=self.settings.lease_seconds, key=self._key),
                 kv_cache_config, recovery)
             if (bool(ktc.is_kv_consumer) and self.scheduler.has_sliding
                     and recovery.mode is None):
@@ -272,19 +275,17 @@ class FlagCXConnector(PortableConnectorBase):
             cache_format=self._cache_format(groups))
         rank = compat_config.tp_rank()
         transport = load_factory(transport_factory_path(self._extra))(vllm_config, rank)
-        lease = float(self._extra("lease_seconds", 30.0))
         settings = WorkerSettings(
             engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size, layout=layout,
-            bind_host=str(self._extra("side_channel_bind",
-                                      self._extra("side_channel_host", "127.0.0.1"))),
+            bind_host=self.settings.bind_host,
             side_channel_port=self.side_channel_port,
-            handshake_timeout=float(self._extra("handshake_timeout", 10.0)),
-            recv_timeout=float(self._extra("recv_timeout", lease + 10.0)),
-            lease_seconds=lease,
-            skip_compat_hash=not bool(self._extra("enforce_handshake_compat", True)),
-            verify_integrity=bool(self._extra("verify_integrity", True)),
+            handshake_timeout=self.settings.handshake_timeout,
+            recv_timeout=self.settings.pull_timeout,
+            lease_seconds=self.settings.lease_seconds,
+            skip_compat_hash=not self.settings.enforce_handshake_compat,
+            verify_integrity=self.settings.verify_integrity,
             host_memory=host_memory,
-            test_faults=bool(self._extra("test_faults", False)), key=self._key)
+            test_faults=self.settings.test_faults, key=self._key)
         return WorkerHalf(settings, transport)
 
     def _cache_format(self, groups: list[Any]) -> str:

@@ -13,6 +13,7 @@ import difflib
 import logging
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("vllm_flagcx")
@@ -113,3 +114,44 @@ def checked_extra_config(extra: Mapping[str, Any] | None) -> dict[str, Any]:
         elif value is not None:
             out[key] = check(key, value)
     return out
+
+
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Every ``kv_connector_extra_config`` key, read once, checked, with its default stated
+    here and nowhere else (README's settings table lists the same)."""
+
+    transport: str = "auto"
+    transport_factory: str | None = None
+    flagcx_library: str | None = None
+    flagcx_rdma_check: bool = True
+    verify_integrity: bool = True
+    side_channel_host: str = LOOPBACK
+    side_channel_bind: str | None = None  # None: side_channel_host
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    lease_seconds: float = 30.0
+    recv_timeout: float | None = None  # None: lease_seconds + 10
+    handshake_timeout: float = 10.0  # 5 s once ran out behind a CPU-starved prefill
+    enforce_handshake_compat: bool = True
+    test_faults: bool = False
+    side_channel_secret_file: str | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)  # unknown keys too
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        checked = checked_extra_config(extra)
+        known = {k: v for k, v in checked.items() if k in KEYS}
+        return cls(**known, raw=checked)
+
+    @property
+    def bind_host(self) -> str:
+        return self.side_channel_bind or self.side_channel_host
+
+    @property
+    def pull_timeout(self) -> float:
+        """Longer than the prefill lease, so a lease ends before decode gives up."""
+        return self.recv_timeout if self.recv_timeout is not None else self.lease_seconds + 10
