@@ -131,7 +131,28 @@ def mla_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2) -> Any:
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 
 
-def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1) -> RankCaches:
+# Single-group attention caches as each backend family declares them (vLLM 0.22's
+# get_kv_cache_shape and get_kv_cache_stride_order): the physical order, and the
+# permutation to the logical shape vLLM hands to register_kv_caches.
+ATTN_LAYOUTS = {
+    # FLASH_ATTN / FLEX_ATTENTION / ROCm: (2, B, N, H, D), HND stride order
+    "flash_hnd": ("2BHND", (0, 1, 3, 2, 4)),
+    # FLASHINFER with its HND stride order: (B, 2, N, H, D) stored (B, 2, H, N, D)
+    "flashinfer_hnd": ("B2HND", (0, 1, 3, 2, 4)),
+    # TRITON_ATTN, FLASHINFER NHD: (B, 2, N, H, D) stored as declared
+    "triton_nhd": ("B2NHD", (0, 1, 2, 3, 4)),
+}
+
+
+def _attention_cache(raw: Any, dtype: Any, nb: int, h: int, n: int, dim: int,
+                     layout: str) -> Any:
+    physical, perm = ATTN_LAYOUTS[layout]
+    sizes = {"2": 2, "B": nb, "H": h, "N": n, "D": dim}
+    return raw.view(dtype).view(*(sizes[c] for c in physical)).permute(*perm)
+
+
+def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1,
+             attn_layout: str = "flash_hnd") -> RankCaches:
     """Random-filled caches viewed as vLLM does (one int8 buffer per KVCacheTensor)."""
     gen = torch.Generator().manual_seed(seed)
     specs = {n: g.kv_cache_spec for g in config.kv_cache_groups for n in g.layer_names}
@@ -154,12 +175,11 @@ def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1) ->
                 caches[name] = [conv, ssm]
             elif kv_cache.spec_kind(spec) is kv_cache.SpecKind.MLA:
                 caches[name] = raw.view(torch.bfloat16).view(nb, BLOCK, spec.head_size)
-            elif len(config.kv_cache_groups) == 1:  # layer-first (FlashAttention), HND
-                h, dim = spec.num_kv_heads, spec.head_size
+            elif len(config.kv_cache_groups) == 1:  # one backend family's own layout
                 # vLLM allocates num_blocks * ratio kernel blocks of BLOCK // ratio tokens
-                phys = raw.view(spec.dtype).view(2, nb * kernel_ratio, h, BLOCK // kernel_ratio,
-                                                 dim)
-                caches[name] = phys.permute(0, 1, 3, 2, 4)  # logical (2, B, N, H, D)
+                caches[name] = _attention_cache(raw, spec.dtype, nb * kernel_ratio,
+                                                spec.num_kv_heads, BLOCK // kernel_ratio,
+                                                spec.head_size, attn_layout)
             else:  # hybrid: attention restrided blocks-first so pages line up with GDN
                 h = spec.num_kv_heads
                 phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
@@ -281,8 +301,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    kernel_ratio: int = 1, verify_integrity: bool = True,
                    extra: dict | None = None, test_faults: bool = False,
                    cache_format: str = "CPU_ATTN:isa=vec:layout=HND",
-                   secret_file: str | None = None, engine_id: str | None = None
-                   ) -> Instance:
+                   secret_file: str | None = None, engine_id: str | None = None,
+                   attn_layout: str = "flash_hnd") -> Instance:
     """``secret_file``: the side-channel secret (wire.auth) for the scheduler (through
     the extra config) and the workers."""
     hybrid = model == "hybrid"
@@ -308,7 +328,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
         rank_config = rank_kv_cache_config(tp, num_blocks, conv_layout=conv_layout)
     else:
         rank_config = dense_rank_kv_cache_config(tp, num_blocks, dtype=dtype)
-    ranks = [allocate(rank_config, conv_layout, seed * 100 + r, kernel_ratio)
+    ranks = [allocate(rank_config, conv_layout, seed * 100 + r, kernel_ratio, attn_layout)
              for r in range(tp)]
     if model == "mla":  # the latent is the same on every rank
         for caches in ranks[1:]:
@@ -430,7 +450,9 @@ def attention_block_bytes(inst: Instance, layer: str, block: int) -> Any:
     """(2, H_global, N, D) bytes of one attention block, gathered over the ranks."""
     parts = [None] * KV_HEADS
     for rank, caches in enumerate(inst.ranks):
-        t = caches.caches[layer][:, block]  # (2, N, H_l, D)
+        cache = caches.caches[layer]
+        # (2, N, H_l, D) from either family: (2, B, ...) or (B, 2, ...)
+        t = cache[:, block] if cache.shape[0] == 2 else cache[block]
         lo, hi = head_range(rank, inst.tp, KV_HEADS)
         for h in range(lo, hi):
             parts[h] = t[:, :, h - lo].contiguous().view(torch.uint8).numpy()

@@ -41,12 +41,24 @@ def test_layer_first_and_blocks_first_attention():
     assert {kinds[n] for n in harness.HybridLayout().gdn_layers} == {"state"}
 
 
-def test_nhd_attention_cannot_be_head_sliced():
+def test_nhd_attention_moves_whole_blocks_only():
+    """Heads inside each token (NHD: TRITON_ATTN, FLASHINFER's NHD order): one section
+    that says it cannot be split per head; a per-head peer is refused by that name."""
     dense = pd.dense_rank_kv_cache_config(1, 4)
     spec = dense.kv_cache_groups[0].kv_cache_spec
     nhd = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)  # heads inside tokens
-    with pytest.raises(RegionError, match="HND"):
-        kv_layout.attention_regions("l", nhd, spec, 0, tp_size=2, total_kv_heads=4)
+    k_region, _ = kv_layout.attention_regions("l", nhd, spec, 0, tp_size=1,
+                                              total_kv_heads=2)
+    (section,) = k_region.sections
+    assert section.name.endswith("nhd_unsplittable") and section.units == 1
+    assert section.unit_bytes == 16 * 2 * 64 * 2  # the whole K block
+    triton = torch.zeros(4, 2, 16, 2, 64, dtype=torch.bfloat16)  # (B, 2, N, H, D)
+    (region,) = kv_layout.attention_regions("l", triton, spec, 0, tp_size=1,
+                                            total_kv_heads=2)
+    assert [s.name for s in region.sections] == ["k_heads_nhd_unsplittable",
+                                                 "v_heads_nhd_unsplittable"]
+    with pytest.raises(RegionError, match="ambiguous"):
+        kv_layout.attention_regions("l", torch.zeros(2, 2, 16, 2, 64), spec, 0, 1, 2)
 
 
 def test_packed_kv_034_shape():

@@ -280,3 +280,62 @@ def test_transport_error_evicts_the_connection_and_the_next_request_reconnects()
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("layout", sorted(pd.ATTN_LAYOUTS))
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_every_backend_familys_layout_moves_the_right_bytes(layout, p_tp, d_tp):
+    """FLASH_ATTN's (2, B, N, H, D), FLASHINFER's (B, 2, N, H, D) in HND order and
+    TRITON_ATTN's in NHD order (vLLM 0.22's shapes and stride orders; 0.22's TRITON_ATTN
+    cache used to stop the connector: "not a known layout"). NHD cannot be sliced per
+    head: between different TP sizes each request fails naming the layout and the fix,
+    and decode recomputes it (no wrong bytes: the check runs before any write)."""
+    port = pd.free_port()
+    refused = p_tp != d_tp and layout.endswith("nhd")
+    p = pd.build_instance("kv_producer", p_tp, port, model="dense", seed=3,
+                          attn_layout=layout)
+    d = pd.build_instance("kv_consumer", d_tp, port + 5, model="dense", seed=4,
+                          attn_layout=layout)
+    try:
+        records = pd.run_pd(p, d, prompts=[33, 64])
+        errors = [e for w in d.workers for *_, e in w.ledger.recent]
+        if refused:
+            assert len(errors) >= len(records) and all("NHD" in e for e in errors), errors
+            assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+            assert not any(w.stats.get("recv_bytes") for w in d.workers)
+            return
+        for rec in records.values():
+            send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
+            recv = d.recv_tasks[rec["d_req"]]
+            for layer in p.ranks[0].config.kv_cache_groups[0].layer_names:
+                for pb, db in zip(send.block_ids[0][-len(recv.block_ids[0]):],
+                                  recv.block_ids[0], strict=True):
+                    np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
+                                                  pd.attention_block_bytes(p, layer, pb))
+        assert sum(sum(w.ledger.counts.values()) for w in d.workers) == 0
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_prefill_and_decode_on_different_backend_families_fail_the_request_by_name():
+    """A FLASH_ATTN prefill (K and V regions) and a FLASHINFER decode (K+V per block): the
+    regions differ, so the pull fails naming them and decode recomputes; no bytes land."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", attn_layout="flash_hnd")
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", seed=1,
+                          attn_layout="flashinfer_hnd")
+    try:
+        records = pd.run_pd(p, d, prompts=[33])
+        assert next(iter(records.values()))["d_req"] in pd.finished_ids(d)
+        errors = [e for w in d.workers for *_, e in w.ledger.recent]
+        assert errors and "regions differ" in errors[0], errors
+        assert not d.workers[0].stats.get("recv_bytes")
+        _empty(p)
+        _empty(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -3,10 +3,11 @@
 The only place that knows how each release lays KV memory out (the connector's region
 functions take plain numbers):
 
-* <= 0.22 attention: 5-d ``(2, num_blocks, ...)``. Layer-first (K/V split, stride(0) >
-  stride(1)) gives two regions; after vLLM's hybrid restride (stride(1) > stride(0)) the
-  same shape is blocks-first, K and V inside each block. Heads must be the outer dimension
-  inside a block (HND) to be sliced for heterogeneous TP.
+* <= 0.22 attention: 5-d ``(2, num_blocks, ...)`` (FLASH_ATTN family) or
+  ``(num_blocks, 2, ...)`` (FLASHINFER, TRITON_ATTN; ``kv_dimension``). Layer-first (the
+  K/V dimension strides outermost) gives two regions; otherwise (vLLM's hybrid restride,
+  or the second family) the layout is blocks-first, K and V inside each block. Heads must
+  be the outer dimension inside a block (HND) to be sliced for heterogeneous TP.
 * <= 0.22 Mamba: a list ``[conv, ssm]`` of views into one page: conv at 0, ssm right after.
 * MLA: 3-d ``(num_blocks, block_size, head_size)``, one region.
 * 0.34: every attention layer is one ``[B, H, N, C]`` tensor with K||V in C; a Mamba layer
@@ -25,22 +26,38 @@ def _nbytes_stride(tensor: Any, dim: int) -> int:
     return int(tensor.stride(dim)) * int(tensor.element_size())
 
 
+def kv_dimension(shape: tuple[int, ...], name: str) -> int:
+    """Which of a 5-d attention cache's first two dimensions splits K from V.
+
+    FLASH_ATTN, FLEX_ATTENTION and the ROCm backends declare ``(2, num_blocks, N, H, D)``;
+    FLASHINFER and TRITON_ATTN ``(num_blocks, 2, N, H, D)`` (both read from vLLM 0.22's
+    ``get_kv_cache_shape``). Each backend's stride order then decides the physical order,
+    which the strides show. With exactly 2 blocks the shape alone cannot say: refused."""
+    if shape[0] == 2 and shape[1] != 2:
+        return 0
+    if shape[1] == 2 and shape[0] != 2:
+        return 1
+    raise R.RegionError(f"{name}: attention cache of shape {shape}: with 2 blocks the K/V "
+                        "dimension is ambiguous; give the engine more KV cache blocks")
+
+
 def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
                       total_kv_heads: int) -> list[R.Region]:
     kind = spec_kind(spec).value
-    if cache.dim() == 5 and cache.shape[0] == 2:
-        k, v = cache[0], cache[1]  # logical (B, N, H, D); HND when heads stride outermost
+    if cache.dim() == 5 and 2 in (int(cache.shape[0]), int(cache.shape[1])):
+        kv_dim = kv_dimension(tuple(int(n) for n in cache.shape), name)
+        # logical (B, N, H, D) each; HND when heads stride outermost inside a block
+        k, v = cache.select(kv_dim, 0), cache.select(kv_dim, 1)
         heads = int(spec.num_kv_heads)
-        if k.dim() == 4 and k.stride(2) > k.stride(1):
-            head_bytes = _nbytes_stride(k, 2)
-        elif heads == 1 or tp_size == 1:
-            head_bytes = int(k[0].numel() * k.element_size()) // heads
-        else:
-            raise R.RegionError(f"{name}: heads are not the outer dimension of a block (NHD);"
-                                " heterogeneous TP needs the HND layout")
+        hnd = k.dim() == 4 and k.stride(2) > k.stride(1)
+        head_bytes = (_nbytes_stride(k, 2) if hnd
+                      else int(k[0].numel() * k.element_size()) // heads)
+        # NHD (heads inside each token): moves whole blocks only, so between equal TP
+        # sizes; a peer with another TP size is refused by the section name.
         common = dict(layer=name, group=group, kind=kind, num_blocks=int(k.shape[0]),
-                      heads=heads, global_heads=total_kv_heads, head_bytes=head_bytes)
-        if cache.stride(0) > cache.stride(1):
+                      heads=heads, global_heads=total_kv_heads, head_bytes=head_bytes,
+                      interleaved=not hnd)
+        if cache.stride(kv_dim) > cache.stride(1 - kv_dim):
             return R.attention_layer_first(k_base=k.data_ptr(), v_base=v.data_ptr(),
                                            block_stride=_nbytes_stride(k, 0), **common)
         v_offset = v.data_ptr() - k.data_ptr()

@@ -119,6 +119,12 @@ def align_block_ids(sender_ids: Sequence[int], receiver_ids: Sequence[int],
 
 def _section_segments(s: Section, r: Section, pair: RankPair) -> list[tuple[int, int, int]]:
     """(src_off, dst_off, length) inside one block for one section pair."""
+    if s.name != r.name and "nhd_unsplittable" in s.name + r.name:
+        raise PlanError(f"section {s.name!r} (sender) vs {r.name!r} (receiver): an NHD "
+                        "attention cache (heads inside each token: TRITON_ATTN, "
+                        "FLASHINFER's NHD order) moves only whole blocks between equal TP "
+                        "sizes; use the same TP size on both, or an HND layout (FLASH_ATTN, "
+                        "FLASHINFER with VLLM_KV_CACHE_LAYOUT=HND)")
     if s.name != r.name or s.unit_bytes != r.unit_bytes or s.repeats != r.repeats:
         raise PlanError(f"section {s.name!r} differs between sender and receiver "
                         f"(unit bytes {s.unit_bytes} vs {r.unit_bytes}, repeats "

@@ -73,12 +73,22 @@ def _check_positive(**values: int) -> None:
             raise RegionError(f"{name} must be > 0, got {value}")
 
 
+def _head_section(name: str, offset: int, heads: int, head_bytes: int, global_heads: int,
+                  interleaved: bool) -> Section:
+    """Per-head units (HND: each head's tokens contiguous), or, when heads interleave with
+    tokens (NHD), one unit that cannot be split across TP ranks: its name says so, and a
+    peer that slices per head is refused by it (``plans``)."""
+    if interleaved and heads > 1:
+        return Section(f"{name}_nhd_unsplittable", offset, 1, heads * head_bytes, 1)
+    return Section(name, offset, heads, head_bytes, global_heads)
+
+
 def attention_layer_first(*, layer: str, group: int, kind: str, k_base: int, v_base: int,
                           block_stride: int, num_blocks: int, heads: int, global_heads: int,
-                          head_bytes: int) -> list[Region]:
-    """Layer-first K/V split (``(2, num_blocks, ...)``, HND): two regions, K and V."""
+                          head_bytes: int, interleaved: bool = False) -> list[Region]:
+    """Layer-first K/V split (``(2, num_blocks, ...)``): two regions, K and V."""
     _check_positive(block_stride=block_stride, heads=heads, head_bytes=head_bytes)
-    section = Section("heads", 0, heads, head_bytes, global_heads)
+    section = _head_section("heads", 0, heads, head_bytes, global_heads, interleaved)
     return [Region(f"{layer}.{part}", layer, group, kind, base, block_stride, num_blocks,
                    heads * head_bytes, (section,))
             for part, base in (("k", k_base), ("v", v_base))]
@@ -86,15 +96,15 @@ def attention_layer_first(*, layer: str, group: int, kind: str, k_base: int, v_b
 
 def attention_blocks_first(*, layer: str, group: int, kind: str, base: int,
                            block_stride: int, num_blocks: int, heads: int, global_heads: int,
-                           head_bytes: int) -> list[Region]:
-    """Blocks-first (``(num_blocks, 2, H, N, D)``): one region, K then V in each block."""
+                           head_bytes: int, interleaved: bool = False) -> list[Region]:
+    """Blocks-first (``(num_blocks, 2, ...)``): one region, K then V in each block."""
     _check_positive(block_stride=block_stride, heads=heads, head_bytes=head_bytes)
     half = heads * head_bytes
     if 2 * half > block_stride:
         raise RegionError(f"{layer}: K+V ({2 * half} bytes) exceed the block stride "
                           f"({block_stride} bytes)")
-    sections = (Section("k_heads", 0, heads, head_bytes, global_heads),
-                Section("v_heads", half, heads, head_bytes, global_heads))
+    sections = (_head_section("k_heads", 0, heads, head_bytes, global_heads, interleaved),
+                _head_section("v_heads", half, heads, head_bytes, global_heads, interleaved))
     return [Region(f"{layer}.kv", layer, group, kind, base, block_stride, num_blocks,
                    2 * half, sections)]
 
