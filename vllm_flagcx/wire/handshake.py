@@ -12,6 +12,7 @@ itself instead of trusting a router.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import msgspec
 
@@ -148,7 +149,7 @@ def compat_hash(layout: LayoutFacts) -> str:
 
 
 def make_sheet(*, layout: LayoutFacts, engine_id: str, incarnation: str, tp_size: int,
-               tp_rank: int, **kwargs: object) -> FactSheet:
+               tp_rank: int, **kwargs: Any) -> FactSheet:
     return FactSheet(protocol_version=PROTOCOL_VERSION, engine_id=engine_id,
                      incarnation=incarnation, layout=layout, compat_hash=compat_hash(layout),
                      tp_size=tp_size, tp_rank=tp_rank, **kwargs)
