@@ -129,12 +129,21 @@ def render_tox() -> str:
         "{posargs}",
         "",
         "[testenv:lint]",
-        "description = ruff over the package, matrix, tests, benchmarks and examples",
+        "description = ruff over the package, matrix, tests, benchmarks and examples; mypy "
+        "over vllm_flagcx.layout and vllm_flagcx.wire",
         "env_dir = {work_dir}/lint",
         "skip_install = true",
-        f"deps = ruff=={settings['ruff_version']}",
+        "deps =",
+        f"    ruff=={settings['ruff_version']}",
+        f"    mypy=={settings['mypy_version']}",
+        "    msgspec",
+        "    numpy",
+        "    pyzmq",
         "commands_pre =",
-        "commands = ruff check vllm_flagcx matrix tests benchmarks examples",
+        "commands =",
+        "    ruff check vllm_flagcx matrix tests benchmarks examples",
+        "    mypy --python-version 3.10 --ignore-missing-imports --follow-imports=silent "
+        "vllm_flagcx/layout vllm_flagcx/wire",
         "",
     ]
     return "\n".join(lines)

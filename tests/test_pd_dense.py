@@ -300,7 +300,10 @@ def test_every_backend_familys_layout_moves_the_right_bytes(layout, p_tp, d_tp):
         records = pd.run_pd(p, d, prompts=[33, 64])
         errors = [e for w in d.workers for *_, e in w.ledger.recent]
         if refused:
-            assert len(errors) >= len(records) and all("NHD" in e for e in errors), errors
+            # each request fails naming NHD on the rank that met it; a sibling decode
+            # rank may instead find the transfer already released by that one
+            assert sum("NHD" in e for e in errors) >= len(records), errors
+            assert all("NHD" in e or "released by decode" in e for e in errors), errors
             assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
             assert not any(w.stats.get("recv_bytes") for w in d.workers)
             return

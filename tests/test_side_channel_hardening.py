@@ -12,6 +12,7 @@ import pd_harness as pd
 import vllm_harness as harness
 import zmq
 
+from vllm_flagcx.connector import side_channel_server
 from vllm_flagcx.connector import worker as wk
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
@@ -83,7 +84,7 @@ def test_forged_pull_fields_are_refused_and_the_server_keeps_serving():
 
 
 def test_pulls_for_unknown_ids_are_capped(monkeypatch):
-    monkeypatch.setattr(wk, "MAX_PARKED_PULLS", 2)
+    monkeypatch.setattr(side_channel_server, "MAX_PARKED_PULLS", 2)
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, lease_seconds=30.0)
     try:

@@ -8,7 +8,9 @@ machine's count. Pure parsing in ``parse_cpu_list``; file reading in ``allowed_c
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # cgroup v2 (unified), then v1; inside a container's cgroup namespace both are the
@@ -63,3 +65,39 @@ def cpu_binding_warning(pinned: set[int], allowed: set[int], bind_setting: str |
             "automatic binding; if another engine (prefill or decode) runs on this host, "
             "give each its own CPUs with VLLM_CPU_OMP_THREADS_BIND (e.g. 0-15 and 16-31), "
             "or their shared cores starve the FlagCX side channel")
+
+
+def unpin_this_thread() -> None:
+    """Let this side-channel thread run on any CPU this host allows (``allowed_cpus``).
+
+    vLLM's CPU worker pins its main thread (and so every thread it starts later) to one
+    core shared with its OpenMP compute threads; a side-channel thread there starved for
+    seconds behind busy engines (handshakes timed out). Best effort: a cgroup may forbid
+    it, and then the thread keeps the worker's affinity.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, allowed_cpus())
+
+
+@contextlib.contextmanager
+def unpinned() -> Iterator[None]:
+    """This thread unpinned for the block, its affinity restored after.
+
+    For what starts threads of its own from the worker's main thread: a ZMQ context's
+    I/O thread inherits the affinity of the thread that creates its first socket, and one
+    pinned to the OpenMP core answered a first handshake after more than 5 s on a busy
+    2-core CI machine (measured: the decode gave up and recomputed).
+    """
+    saved = None
+    if hasattr(os, "sched_getaffinity"):
+        with contextlib.suppress(OSError):
+            saved = os.sched_getaffinity(0)
+    unpin_this_thread()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, saved)

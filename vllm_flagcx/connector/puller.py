@@ -1,0 +1,185 @@
+"""Decode's puller: handshake with prefill, pull every prefill rank, verify, release.
+
+Each pull runs on its own thread (``WorkerHalf._spawn``) and always ends its request:
+finished (``_done_recving``) or failed in the ``FailureLedger`` after prefill confirmed
+that no write is in flight (``_fail_after_release``); an unexpected error fails it too
+(``_pull_guarded``). A reply's integrity sample is read only inside this worker's own
+registered KV caches.
+
+A mixin of ``worker.WorkerHalf``; its state is created in ``WorkerHalf.__init__``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from vllm_flagcx.connector import fault_knobs, integrity
+from vllm_flagcx.connector.scheduler import RecvTask
+from vllm_flagcx.wire import client
+from vllm_flagcx.wire import handshake as hs
+
+logger = logging.getLogger("vllm_flagcx")
+
+SLOW_HANDSHAKE_SECONDS = 1.0
+
+
+class Puller:
+    """Decode side of ``WorkerHalf`` (see the module docstring)."""
+
+    settings: Any
+    stats: Any
+    ledger: Any
+    _lock: threading.Lock
+    def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
+        import zmq
+
+        with self._lock:  # pull threads start at once; one context for all
+            if self._zmq is None:
+                self._zmq = zmq.Context()
+        return client.ask(self._zmq, host, port, message, timeout,
+                          probe_every=self.settings.peer_probe_seconds, key=self.settings.key)
+
+    def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
+        key = (host, port)
+        cached = self._peer_sheets.get(key)
+        if cached is None or time.monotonic() - cached[0] > self.settings.peer_ttl:
+            started = time.monotonic()
+            reply = self._ask(host, port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0),
+                              self.settings.handshake_timeout)
+            took = time.monotonic() - started
+            if took > SLOW_HANDSHAKE_SECONDS:
+                logger.warning("FlagCX handshake with prefill %s:%d took %.1f s (a busy or "
+                               "CPU-starved prefill worker answers late)", host, port, took)
+            if isinstance(reply, hs.HandshakeRefused):
+                raise hs.HandshakeError(f"prefill at {host}:{port} refused: {reply.reason}")
+            if not isinstance(reply, hs.HandshakeReply):
+                raise hs.HandshakeError(f"unexpected handshake answer {type(reply).__name__}")
+            self._peer_sheets[key] = (time.monotonic(), reply.sheet)
+        return self._peer_sheets[key][1]
+
+    def _pull_guarded(self, task: RecvTask) -> None:
+        """``_pull``, and whatever it raises (a bug, a value nobody checked) fails the
+        request: a pull thread that died silently left its request waiting forever with
+        its blocks."""
+        try:
+            self._pull(task)
+        except Exception as exc:
+            flat = [b for g in task.block_ids for b in g]
+            error = f"internal error in the pull: {type(exc).__name__}: {exc}"
+            try:
+                self._fail_after_release(task, flat, error)
+            except Exception:
+                self.ledger.record("recv", task.request_id, flat, error)
+
+    def _pull(self, task: RecvTask) -> None:
+        flat = [b for g in task.block_ids for b in g]
+        remote = task.remote
+        started = time.monotonic()
+        try:
+            fault = fault_knobs.requested_fault(remote.test_fault, self.settings.test_faults)
+        except fault_knobs.FaultKnobError as exc:
+            self._fail_after_release(task, flat, str(exc))
+            return
+        if fault == "drop_all":
+            self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
+            with self._lock:
+                self._done_recving.add(task.request_id)
+            return
+        try:
+            p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            hs.check_compatible(self.sheet, p_sheet, skip_hash=self.settings.skip_compat_hash)
+        except (hs.HandshakeError, TimeoutError, OSError) as exc:
+            self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
+            self.ledger.record("handshake", task.request_id, flat, str(exc))
+            if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
+                self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
+            return
+        # Every P rank is asked, also those holding nothing for this rank (replicated
+        # heads): they answer at once, and each P rank then knows when all D ranks pulled.
+        senders = range(p_sheet.tp_size)
+        request = hs.PullRequest(remote.transfer_id, self.sheet,
+                                 tuple(tuple(g) for g in task.block_ids),
+                                 tuple(task.offsets))
+        total = 0
+        for p_rank in senders:
+            try:
+                reply = self._ask(remote.remote_host, remote.remote_port + p_rank, request,
+                                  self.settings.recv_timeout)
+            except (TimeoutError, OSError, hs.HandshakeError) as exc:
+                self._fail_after_release(task, flat, f"P rank {p_rank}: {exc}")
+                return
+            if not isinstance(reply, hs.PullReply) or not reply.ok:
+                error = getattr(reply, "error", type(reply).__name__)
+                self._fail_after_release(task, flat, f"P rank {p_rank}: {error}")
+                return
+            if reply.sample and self._integrity_checked():
+                stray = integrity.outside(list(reply.sample), self._storages)
+                if stray is not None:
+                    self._fail_after_release(task, flat, (
+                        f"P rank {p_rank}: the reply's integrity sample names {stray[1]} "
+                        f"bytes at {stray[0]:#x}, outside this worker's KV caches"))
+                    return
+                got = integrity.checksum(list(reply.sample), self._read_kv)
+                if got != reply.sample_crc:
+                    self.stats["integrity_failures"] += 1
+                    self._fail_after_release(task, flat, (
+                        f"P rank {p_rank}: integrity check failed (crc {got:#x} != "
+                        f"{reply.sample_crc:#x}): the transport reported success but bytes "
+                        "did not land"))
+                    return
+            total += reply.num_bytes
+        if fault == "corrupt_block":
+            fault_knobs.corrupt_first_block(self.regions, task.block_ids,
+                                            self.settings.host_memory)
+        with self._lock:
+            self._done_recving.add(task.request_id)
+            self.stats["recv_bytes"] += total
+            self.stats["recv_seconds"] += time.monotonic() - started
+            self.stats["recv_requests"] += 1
+
+    def _integrity_checked(self) -> bool:
+        if not self.settings.verify_integrity:
+            return False
+        if self._read_kv is None:
+            if not self.stats.get("integrity_skipped_device"):
+                logger.info("FlagCX integrity check skipped: device memory that the CUDA "
+                            "driver cannot read")
+            self.stats["integrity_skipped_device"] = 1
+            return False
+        return True
+
+    def _fail_after_release(self, task: RecvTask, flat: list[int], error: str) -> None:
+        """Fail a pull only once prefill confirmed no write into these blocks is in flight.
+
+        A pull that timed out may still be written by a slow prefill; reporting it now
+        would let vLLM reuse the blocks under that write. Each prefill rank handles its
+        side channel in order, so its Ack to the Release comes after any write it had
+        under way. The wait is bounded by the lease, and ends at once when prefill's port
+        refuses connections (its worker, the writer, is gone: ``client.PeerGoneError``).
+        """
+        confirmed = self._release(task.remote.transfer_id, task.remote,
+                                  self.settings.lease_seconds)
+        if not confirmed:
+            error += "; prefill did not confirm that no write is in flight"
+        self.ledger.record("recv", task.request_id, flat, error)
+
+    def _release(self, transfer_id: str, remote: Any, timeout: float) -> bool:
+        """Tell every prefill rank to drop ``transfer_id``; True when each acknowledged
+        or is gone (its port refuses connections: nothing left there to write)."""
+        try:
+            p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            for p_rank in range(p_sheet.tp_size):
+                try:
+                    self._ask(remote.remote_host, remote.remote_port + p_rank,
+                              hs.Release(transfer_id), timeout)
+                except client.PeerGoneError:
+                    continue
+        except (hs.HandshakeError, TimeoutError, OSError) as exc:
+            # Prefill frees the blocks at lease expiry anyway.
+            logger.info("release of %s not acknowledged (%s); the prefill lease frees it",
+                        transfer_id, exc)
+            return False
+        return True

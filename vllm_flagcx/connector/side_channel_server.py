@@ -1,0 +1,381 @@
+"""Prefill's side-channel server: handshakes, pulls, releases, heartbeats, and the writes.
+
+One thread owns the ZMQ socket (``_serve``); writes run on writer threads (``_write_job``)
+and their replies come back through an outbox. The safety invariant lives here: **a
+Release is acknowledged only once no write into its blocks is in flight** (``_handle``
+defers it while ``_Armed.writes`` > 0; ``_finish_pull`` acknowledges it), because decode
+frees and reuses those blocks as soon as it has the acknowledgement. Every pull is checked
+before bytes move: its fields (``pull_problem``), the receiver's regions pinned per
+incarnation (``_receiver_sheet``), each descriptor against registered memory
+(``plans.check_within``), and the transfer's first puller (``_Armed.receiver``).
+
+A mixin of ``worker.WorkerHalf``: the state it uses (``settings``, ``transport``,
+``regions``, ``sheet``, ``stats``, ``_lock``, ``_armed``, ``_done_sending``, ...) is
+created in ``WorkerHalf.__init__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm_flagcx.connector import integrity
+from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
+from vllm_flagcx.connector.scheduler import SendTask
+from vllm_flagcx.layout import plans
+from vllm_flagcx.layout.regions import Region, Section, unique_storages
+from vllm_flagcx.wire import auth
+from vllm_flagcx.wire import handshake as hs
+
+logger = logging.getLogger("vllm_flagcx")
+
+MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
+MAX_TP = 1024
+MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
+MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
+MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
+
+
+def pull_problem(pull: hs.PullRequest, num_groups: int) -> str:
+    """What makes a pull unservable before any plan is made ("" when nothing): the
+    receiver's TP rank and size, the group count and the block ids it names (a pull
+    crosses a process boundary: its fields are untrusted)."""
+    sheet = pull.sheet
+    if not 1 <= sheet.tp_size <= MAX_TP or not 0 <= sheet.tp_rank < sheet.tp_size:
+        return (f"receiver tp_rank {sheet.tp_rank} / tp_size {sheet.tp_size} is not a TP "
+                "position")
+    if len(pull.block_ids) != num_groups:
+        return f"{len(pull.block_ids)} block-id groups named, this model has {num_groups}"
+    if pull.offsets and len(pull.offsets) != num_groups:
+        return f"{len(pull.offsets)} offsets named, this model has {num_groups} groups"
+    if any(b < 0 or b >= 1 << 31 for group in pull.block_ids for b in group):
+        return "a block id outside 0 .. 2**31"
+    return ""
+
+
+def receiver_spans(sheet: hs.FactSheet) -> list[tuple[int, int]]:
+    """The disjoint (address, size) storages a receiver's sheet announces."""
+    return unique_storages([(r.base, r.block_stride * r.num_blocks) for r in sheet.regions])
+
+
+def _from_info(info: hs.RegionInfo) -> Region:
+    return Region(info.name, info.layer, info.group, info.kind, info.base, info.block_stride,
+                  info.num_blocks, info.block_bytes,
+                  tuple(Section(*msgspec.structs.astuple(s)) for s in info.sections))
+
+
+@dataclass
+class _Armed:
+    task: SendTask
+    expected: set[int] | None = None  # receiver ranks, known at the first pull
+    pulled: set[int] = field(default_factory=set)
+    writes: int = 0  # writes under way: the lease cannot expire, a Release must wait
+    receiver: str | None = None  # engine id of the decode instance that pulls it
+    release_waiters: list[bytes] = field(default_factory=list)  # Releases to ack after
+
+
+class SideChannelServer:
+    """Prefill side of ``WorkerHalf`` (see the module docstring)."""
+
+    settings: Any
+    transport: Any
+    stats: Any
+    def _start_server(self) -> None:
+        import zmq
+
+        auth.require_secret_off_loopback(self.settings.bind_host, self.settings.key)
+        with unpinned():  # the context's I/O thread starts with the first socket
+            self._zmq = self._zmq or zmq.Context()
+            sock = self._zmq.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        port = self.settings.side_channel_port + self.settings.tp_rank
+        sock.bind(f"tcp://{self.settings.bind_host}:{port}")
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._writer = ThreadPoolExecutor(
+            max_workers=max(1, int(getattr(self.transport, "max_concurrent_writes", 1))),
+            thread_name_prefix=f"flagcx-write-{port}", initializer=unpin_this_thread)
+        self._server = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                        name=f"flagcx-side-channel-{port}")
+        self._server.start()
+
+    def _serve(self, sock: Any) -> None:
+        import zmq
+
+        unpin_this_thread()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(20))
+                if events.get(sock):
+                    self._serve_one(sock)
+                if events.get(self._wake_r):
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                for ident, reply in self._serve_parked():
+                    sock.send_multipart([ident, b"", self._seal(reply)])
+                while self._outbox:
+                    ident, reply = self._outbox.popleft()
+                    sock.send_multipart([ident, b"", self._seal(reply)])
+        finally:
+            sock.close()
+
+    def _post(self, ident: bytes, reply: hs.Message) -> None:
+        """Queue an answer for the server thread (the only one that touches the socket)."""
+        self._outbox.append((ident, reply))
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"w")
+
+    def _serve_one(self, sock: Any) -> None:
+        """One message from the side channel; nothing a peer sends may end the server
+        thread (a malformed frame list or any error is answered or dropped, and counted)."""
+        frames = sock.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"":
+            self.stats["malformed_messages"] += 1
+            return  # not a REQ envelope: nobody to answer
+        ident, _, frame = frames
+        try:
+            data = auth.unseal(self.settings.key, frame)
+        except auth.AuthError as exc:  # answered bare: the sender may lack the key
+            self.stats["unauthenticated_messages"] += 1
+            if self.stats["unauthenticated_messages"] in (1, 10, 100, 1000):
+                logger.warning("FlagCX side channel: refused %d unauthenticated message(s) "
+                               "so far: %s", self.stats["unauthenticated_messages"], exc)
+            sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(str(exc)))])
+            return
+        try:
+            reply = self._handle(ident, data)
+        except Exception as exc:  # a bug or a hostile message: answer, keep serving
+            self.stats["malformed_messages"] += 1
+            logger.warning("FlagCX side channel: message refused: %s: %s",
+                           type(exc).__name__, exc)
+            reply = hs.HandshakeRefused(f"refused: {type(exc).__name__}")
+        if reply is not None:
+            sock.send_multipart([ident, b"", self._seal(reply)])
+
+    def _seal(self, message: hs.Message) -> bytes:
+        return auth.seal(self.settings.key, hs.encode(message))
+
+    def _handle(self, ident: bytes, data: bytes) -> hs.Message | None:
+        try:
+            message = hs.decode(data)
+        except hs.HandshakeError as exc:
+            return hs.HandshakeRefused(str(exc))
+        if isinstance(message, hs.HandshakeRequest):
+            self.stats["handshakes_served"] += 1
+            if message.protocol_version != hs.PROTOCOL_VERSION:
+                return hs.HandshakeRefused(
+                    f"protocol_version: local {hs.PROTOCOL_VERSION}, remote "
+                    f"{message.protocol_version}")
+            return hs.HandshakeReply(self.sheet)
+        if isinstance(message, hs.Heartbeat):
+            renewed = time.monotonic() + self.settings.lease_seconds
+            with self._lock:
+                for tid in message.transfer_ids:
+                    armed = self._armed.get(tid)
+                    if armed is not None and armed.task.deadline < renewed:
+                        armed.task.deadline = renewed
+                        self.stats["lease_renewals"] += 1
+            return hs.Ack(",".join(message.transfer_ids)[:256])
+        if isinstance(message, hs.Release):
+            with self._lock:
+                armed = self._armed.get(message.transfer_id)
+                if armed is not None and armed.writes:  # ack once no write is in flight
+                    if len(armed.release_waiters) < 16:
+                        armed.release_waiters.append(ident)
+                    return None
+                if self._armed.pop(message.transfer_id, None) is not None:
+                    self._done_sending.add(armed.task.request_id)
+                    self._end(message.transfer_id, "released by decode")
+            return hs.Ack(message.transfer_id)
+        if isinstance(message, hs.PullRequest):
+            problem = pull_problem(message, len(self.settings.layout.block_sizes))
+            if problem:
+                return hs.PullReply(message.transfer_id, False, problem)
+            with self._lock:
+                if len(self._parked) >= MAX_PARKED_PULLS:
+                    return hs.PullReply(message.transfer_id, False,
+                                        f"more than {MAX_PARKED_PULLS} pulls wait here")
+                self._parked.append((ident, message,
+                                     time.monotonic() + self.settings.lease_seconds))
+            return None
+        return hs.HandshakeRefused(f"unexpected message {type(message).__name__}")
+
+    def _serve_parked(self) -> list[tuple[bytes, hs.Message]]:
+        now = time.monotonic()
+        out, keep = [], []
+        with self._lock:
+            parked, self._parked = self._parked, []
+        for ident, pull, deadline in parked:
+            with self._lock:
+                armed = self._armed.get(pull.transfer_id)
+                if armed is not None and armed.receiver not in (None, pull.sheet.engine_id):
+                    out.append((ident, hs.PullReply(
+                        pull.transfer_id, False, "this transfer is pulled by another decode "
+                        "instance")))
+                    continue
+                if armed is not None and self._writes_in_flight >= MAX_WRITES_IN_FLIGHT:
+                    keep.append((ident, pull, deadline))  # writer threads all busy
+                    continue
+                if armed is not None:
+                    armed.writes += 1
+                    armed.receiver = pull.sheet.engine_id
+                    self._writes_in_flight += 1
+            if armed is None:
+                with self._lock:
+                    ended = self._ended.get(pull.transfer_id)
+                if ended is not None:
+                    out.append((ident, hs.PullReply(pull.transfer_id, False,
+                                                    f"transfer ended here: {ended}")))
+                elif now > deadline:
+                    out.append((ident, hs.PullReply(pull.transfer_id, False,
+                                                    "unknown or expired transfer id")))
+                else:
+                    keep.append((ident, pull, deadline))
+                continue
+            assert self._writer is not None
+            self._writer.submit(self._write_job, ident, armed, pull)
+        with self._lock:
+            self._parked = keep + self._parked
+        return out
+
+    def _write_job(self, ident: bytes, armed: _Armed, pull: hs.PullRequest) -> None:
+        try:
+            reply = self._write(armed, pull)
+        except Exception as exc:  # _write ends the pull itself; this is the last guard
+            logger.warning("FlagCX write for %s: %s: %s", pull.transfer_id,
+                           type(exc).__name__, exc)
+            reply = hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._writes_in_flight -= 1
+        self._post(ident, reply)
+
+    def _write(self, armed: _Armed, pull: hs.PullRequest) -> hs.PullReply:
+        started = time.monotonic()
+        try:
+            hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
+            receiver = self._receiver_sheet(pull.sheet)
+            plan = self._plan_table(receiver).plan(
+                armed.task.block_ids, pull.block_ids, self.kernel_ratios or None,
+                list(pull.offsets) or None)
+            plans.check_within(plan, self._storages, receiver_spans(receiver))
+            if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
+                self._finish_pull(armed, pull, failed=False)
+                return hs.PullReply(pull.transfer_id, True)
+            handle = self._connection(receiver)
+            result = self.transport.write(handle, plan.src, plan.dst, plan.length)
+        except Exception as exc:  # whatever a pull names, the transfer ends and is freed
+            self._connections.pop(pull.sheet.incarnation, None)
+            self._finish_pull(armed, pull, failed=True)
+            return hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
+        if not result.ok:
+            self._connections.pop(pull.sheet.incarnation, None)
+            self._finish_pull(armed, pull, failed=True)
+            return hs.PullReply(pull.transfer_id, False, result.error)
+        with self._lock:
+            self.stats["send_bytes"] += plan.num_bytes
+            self.stats["send_descriptors"] += plan.num_descriptors
+            self.stats["send_seconds"] += time.monotonic() - started
+        sample, crc = (), 0
+        if self.settings.verify_integrity and self._read_kv is not None:
+            # Read before the pull ends: the blocks may be freed (and reused) right after.
+            try:
+                src_ranges, dst_ranges = integrity.sample_ranges(plan.src, plan.dst,
+                                                                 plan.length)
+                sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges, self._read_kv)
+            except Exception as exc:  # the bytes moved; only the proof of it is lost
+                logger.warning("FlagCX integrity sample of %s not taken: %s",
+                               pull.transfer_id, exc)
+        self._finish_pull(armed, pull, failed=False)
+        return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
+                            sample, crc)
+
+    def _receiver_sheet(self, sheet: hs.FactSheet) -> hs.FactSheet:
+        """The receiver's sheet as its first pull named it: an incarnation's regions and
+        transport (the process written into) are pinned then, and a later pull that
+        names others is refused (HandshakeError)."""
+        key = (sheet.incarnation, sheet.tp_rank)
+        with self._lock:
+            pinned = self._receivers.get(key)
+            if pinned is None:
+                if len(self._receivers) >= 256:  # decode restarts: drop the stale ones
+                    self._receivers.clear()
+                self._receivers[key] = pinned = sheet
+        if pinned != sheet:
+            raise hs.HandshakeError(f"receiver incarnation {sheet.incarnation!r} rank "
+                                    f"{sheet.tp_rank} names other regions or another "
+                                    "transport than at its first pull")
+        return pinned
+
+    def _plan_table(self, sheet: hs.FactSheet) -> plans.PlanTable:
+        """The request-independent part of plans to this receiver rank, built at its first
+        pull and kept for its incarnation (a restarted decode has a new one)."""
+        key = (sheet.incarnation, sheet.tp_rank)
+        table = self._plan_tables.get(key)
+        if table is None:
+            if len(self._plan_tables) >= 256:  # decode restarts: drop the stale ones
+                self._plan_tables.clear()
+            pair = plans.RankPair(self.settings.tp_rank, self.settings.tp_size,
+                                  sheet.tp_rank, sheet.tp_size)
+            table = plans.build_table(self.regions, [_from_info(r) for r in sheet.regions],
+                                      pair, num_groups=len(self.settings.layout.block_sizes))
+            self._plan_tables[key] = table
+        return table
+
+    def _connection(self, sheet: hs.FactSheet) -> object:
+        with self._connect_lock:  # writer threads: one connect per receiver
+            handle = self._connections.get(sheet.incarnation)
+            if handle is None:
+                handle = self.transport.connect(sheet.transport_desc)
+                self._connections[sheet.incarnation] = handle
+            return handle
+
+    def _finish_pull(self, armed: _Armed, pull: hs.PullRequest, failed: bool) -> None:
+        """One pull's write is over: the transfer ends once every receiver rank pulled,
+        or at once when a Release waited for this write (then acknowledged, only now)."""
+        with self._lock:
+            armed.writes -= 1
+            if armed.expected is None:
+                armed.expected = set(range(pull.sheet.tp_size))
+            armed.pulled.add(pull.sheet.tp_rank)
+            if failed:
+                self.stats["send_failures"] += 1
+            done = armed.pulled >= armed.expected or (armed.release_waiters
+                                                      and armed.writes == 0)
+            if done and self._armed.pop(pull.transfer_id, None):
+                self._done_sending.add(armed.task.request_id)
+                self._end(pull.transfer_id, "released by decode" if armed.release_waiters
+                          else "already pulled by every receiver rank")
+            waiters, armed.release_waiters = (
+                (armed.release_waiters, []) if armed.writes == 0 else ([], armed.release_waiters))
+        for ident in waiters:
+            self._post(ident, hs.Ack(pull.transfer_id))
+
+    def _end(self, transfer_id: str, why: str) -> None:
+        """Remember (bounded) that ``transfer_id`` ended here; caller holds the lock."""
+        self._ended[transfer_id] = why
+        while len(self._ended) > MAX_ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [tid for tid, a in self._armed.items()
+                       if a.task.deadline < now and not a.writes]
+            for tid in expired:
+                self._done_sending.add(self._armed.pop(tid).task.request_id)
+                self._end(tid, "its lease expired")
+                self.stats["expired_leases"] += 1
