@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from vllm_flagcx.layout import plans
+
 Reader = Callable[[int, int], bytes]
 
 SAMPLE_BYTES = 64
@@ -47,11 +49,12 @@ def outside(ranges: list[tuple[int, int]], spans: list[tuple[int, int]],
     The ranges arrive in prefill's reply: reading them unchecked let a rogue prefill make
     decode read any address (measured: SIGSEGV)."""
     for address, size in ranges:
-        if not 0 < size <= max_sample_bytes or not any(
-                start <= address and address + size <= start + length
-                for start, length in spans):
+        if not 0 < size <= max_sample_bytes:
             return address, size
-    return None
+    addresses = np.asarray([a for a, _ in ranges], dtype=np.int64)
+    sizes = np.asarray([n for _, n in ranges], dtype=np.int64)
+    i = plans.first_outside(addresses, sizes, spans)
+    return None if i is None else ranges[i]
 
 
 def read_host(address: int, size: int) -> bytes:

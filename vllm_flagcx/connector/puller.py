@@ -33,6 +33,7 @@ class Puller:
     stats: Any
     ledger: Any
     _lock: threading.Lock
+
     def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
         import zmq
 

@@ -123,8 +123,9 @@ class SchedulerHalf:
         self._pending = FlagCXMetadataPayload()
         self._armed: dict[str, SendTask] = {}  # request_id -> held send
         self._held_ids: set[str] = set()  # their transfer ids (one request per id)
-        # Decode requests that hold blocks and do not run yet: request_id -> (Request,
-        # its load failed). A failed load's request yields to them (see _yields).
+        # Decode requests that loaded or failed to load, until they finish: request_id ->
+        # (Request, its load failed). A failed load's request yields to those of them that
+        # hold blocks and wait (``_holds_and_waits``, see _yields).
         self._holders: dict[str, tuple[Any, bool]] = {}
         self._yields_left: dict[str, int] = {}
         self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
@@ -293,7 +294,6 @@ class SchedulerHalf:
         for req_id in finished_recving or ():
             self._waiting_recv.pop(req_id, None)
             self._recv_requests.pop(req_id, None)
-        self._holders = {rid: h for rid, h in self._holders.items() if _holds_and_waits(*h)}
         for req_id in finished_sending or ():
             task = self._armed.pop(req_id, None)
             if task is not None:

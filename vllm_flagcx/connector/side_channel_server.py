@@ -31,7 +31,7 @@ from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
 from vllm_flagcx.connector.scheduler import SendTask
 from vllm_flagcx.layout import plans
-from vllm_flagcx.layout.regions import Region, Section, unique_storages
+from vllm_flagcx.layout.regions import Region, Section, storage_spans
 from vllm_flagcx.wire import auth
 from vllm_flagcx.wire import handshake as hs
 
@@ -61,15 +61,21 @@ def pull_problem(pull: hs.PullRequest, num_groups: int) -> str:
     return ""
 
 
-def receiver_spans(sheet: hs.FactSheet) -> list[tuple[int, int]]:
-    """The disjoint (address, size) storages a receiver's sheet announces."""
-    return unique_storages([(r.base, r.block_stride * r.num_blocks) for r in sheet.regions])
-
-
 def _from_info(info: hs.RegionInfo) -> Region:
     return Region(info.name, info.layer, info.group, info.kind, info.base, info.block_stride,
                   info.num_blocks, info.block_bytes,
                   tuple(Section(*msgspec.structs.astuple(s)) for s in info.sections))
+
+
+@dataclass(frozen=True)
+class _Receiver:
+    """A decode rank as its incarnation's first pull named it: its sheet (regions and the
+    process written into), the request-independent plan table to it, and the storages
+    every descriptor must write inside."""
+
+    sheet: hs.FactSheet
+    table: plans.PlanTable
+    spans: list[tuple[int, int]]
 
 
 @dataclass
@@ -88,6 +94,7 @@ class SideChannelServer:
     settings: Any
     transport: Any
     stats: Any
+
     def _start_server(self) -> None:
         import zmq
 
@@ -221,6 +228,7 @@ class SideChannelServer:
         for ident, pull, deadline in parked:
             with self._lock:
                 armed = self._armed.get(pull.transfer_id)
+                ended = self._ended.get(pull.transfer_id) if armed is None else None
                 if armed is not None and armed.receiver not in (None, pull.sheet.engine_id):
                     out.append((ident, hs.PullReply(
                         pull.transfer_id, False, "this transfer is pulled by another decode "
@@ -234,8 +242,6 @@ class SideChannelServer:
                     armed.receiver = pull.sheet.engine_id
                     self._writes_in_flight += 1
             if armed is None:
-                with self._lock:
-                    ended = self._ended.get(pull.transfer_id)
                 if ended is not None:
                     out.append((ident, hs.PullReply(pull.transfer_id, False,
                                                     f"transfer ended here: {ended}")))
@@ -267,15 +273,15 @@ class SideChannelServer:
         started = time.monotonic()
         try:
             hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
-            receiver = self._receiver_sheet(pull.sheet)
-            plan = self._plan_table(receiver).plan(
+            receiver = self._receiver(pull.sheet)
+            plan = receiver.table.plan(
                 armed.task.block_ids, pull.block_ids, self.kernel_ratios or None,
                 list(pull.offsets) or None)
-            plans.check_within(plan, self._storages, receiver_spans(receiver))
+            plans.check_within(plan, self._storages, receiver.spans)
             if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
                 self._finish_pull(armed, pull, failed=False)
                 return hs.PullReply(pull.transfer_id, True)
-            handle = self._connection(receiver)
+            handle = self._connection(receiver.sheet)
             result = self.transport.write(handle, plan.src, plan.dst, plan.length)
         except Exception as exc:  # whatever a pull names, the transfer ends and is freed
             self._connections.pop(pull.sheet.incarnation, None)
@@ -303,37 +309,30 @@ class SideChannelServer:
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc)
 
-    def _receiver_sheet(self, sheet: hs.FactSheet) -> hs.FactSheet:
-        """The receiver's sheet as its first pull named it: an incarnation's regions and
-        transport (the process written into) are pinned then, and a later pull that
-        names others is refused (HandshakeError)."""
+    def _receiver(self, sheet: hs.FactSheet) -> _Receiver:
+        """The receiver as its incarnation's first pull named it, built once (as NIXL
+        builds its descriptor lists at the handshake, so a pull only computes block
+        addresses); a later pull that names other regions or another transport is
+        refused (HandshakeError). Kept per incarnation: a restarted decode has a new one."""
         key = (sheet.incarnation, sheet.tp_rank)
         with self._lock:
-            pinned = self._receivers.get(key)
-            if pinned is None:
+            known = self._receivers.get(key)
+        if known is None:
+            pair = plans.RankPair(self.settings.tp_rank, self.settings.tp_size,
+                                  sheet.tp_rank, sheet.tp_size)
+            regions = [_from_info(r) for r in sheet.regions]
+            built = _Receiver(sheet, plans.build_table(
+                self.regions, regions, pair, num_groups=len(self.settings.layout.block_sizes)),
+                storage_spans(regions))
+            with self._lock:
                 if len(self._receivers) >= 256:  # decode restarts: drop the stale ones
                     self._receivers.clear()
-                self._receivers[key] = pinned = sheet
-        if pinned != sheet:
+                known = self._receivers.setdefault(key, built)
+        if known.sheet != sheet:
             raise hs.HandshakeError(f"receiver incarnation {sheet.incarnation!r} rank "
                                     f"{sheet.tp_rank} names other regions or another "
                                     "transport than at its first pull")
-        return pinned
-
-    def _plan_table(self, sheet: hs.FactSheet) -> plans.PlanTable:
-        """The request-independent part of plans to this receiver rank, built at its first
-        pull and kept for its incarnation (a restarted decode has a new one)."""
-        key = (sheet.incarnation, sheet.tp_rank)
-        table = self._plan_tables.get(key)
-        if table is None:
-            if len(self._plan_tables) >= 256:  # decode restarts: drop the stale ones
-                self._plan_tables.clear()
-            pair = plans.RankPair(self.settings.tp_rank, self.settings.tp_size,
-                                  sheet.tp_rank, sheet.tp_size)
-            table = plans.build_table(self.regions, [_from_info(r) for r in sheet.regions],
-                                      pair, num_groups=len(self.settings.layout.block_sizes))
-            self._plan_tables[key] = table
-        return table
+        return known
 
     def _connection(self, sheet: hs.FactSheet) -> object:
         with self._connect_lock:  # writer threads: one connect per receiver
@@ -359,8 +358,9 @@ class SideChannelServer:
                 self._done_sending.add(armed.task.request_id)
                 self._end(pull.transfer_id, "released by decode" if armed.release_waiters
                           else "already pulled by every receiver rank")
-            waiters, armed.release_waiters = (
-                (armed.release_waiters, []) if armed.writes == 0 else ([], armed.release_waiters))
+            waiters: list[bytes] = []
+            if armed.writes == 0:
+                waiters, armed.release_waiters = armed.release_waiters, []
         for ident in waiters:
             self._post(ident, hs.Ack(pull.transfer_id))
 

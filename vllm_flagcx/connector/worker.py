@@ -40,10 +40,10 @@ from vllm_flagcx.connector.side_channel_server import (  # noqa: F401 (re-export
     SideChannelServer,
     _Armed,
     _from_info,
+    _Receiver,
     pull_problem,
 )
-from vllm_flagcx.layout import plans
-from vllm_flagcx.layout.regions import Region, Section, unique_storages
+from vllm_flagcx.layout.regions import Region, Section, storage_spans
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import handshake as hs
 
@@ -134,8 +134,8 @@ class WorkerHalf(SideChannelServer, Puller):
         self._done_recving: set[str] = set()
         self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
-        self._plan_tables: dict[tuple[str, int], plans.PlanTable] = {}
-        self._receivers: dict[tuple[str, int], hs.FactSheet] = {}  # pinned at first pull
+        # (incarnation, rank) -> the receiver as its first pull named it, with its plans
+        self._receivers: dict[tuple[str, int], _Receiver] = {}
         # Transfers that ended here (released, expired): a late pull for one is answered
         # at once. Before, it waited a lease for an id that would never be armed (a
         # sibling decode rank failed and released: the other rank waited ~30 s).
@@ -165,7 +165,7 @@ class WorkerHalf(SideChannelServer, Puller):
                          logical_num_blocks: int | None = None) -> None:
         self.kernel_ratios = kernel_ratios(regions, len(self.settings.layout.block_sizes),
                                            logical_num_blocks)
-        spans = unique_storages([(r.base, r.end - r.base) for r in regions])
+        spans = storage_spans(regions)
         for address, size in spans:
             self.transport.register(address, size)
         self._storages = spans

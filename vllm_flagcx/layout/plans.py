@@ -52,9 +52,10 @@ class TransferPlan:
         return TransferPlan(z, z.copy(), z.copy())
 
 
-def _first_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[int, int]]
-                   ) -> int | None:
-    """Index of the first descriptor not inside one span (spans disjoint), else None."""
+def first_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[int, int]]
+                  ) -> int | None:
+    """Index of the first (address, length) not inside one span, else None. ``spans``
+    disjoint and sorted, as ``regions.unique_storages`` returns them."""
     if addr.size == 0:
         return None
     if not spans:
@@ -77,7 +78,7 @@ def check_within(plan: TransferPlan, src_spans: Sequence[tuple[int, int]],
     per descriptor, so no plan (or bug in one) can write memory nobody registered."""
     for side, addr, spans in (("source", plan.src, src_spans),
                               ("destination", plan.dst, dst_spans)):
-        i = _first_outside(addr, plan.length, spans)
+        i = first_outside(addr, plan.length, spans)
         if i is not None:
             raise PlanError(f"descriptor {i}: {side} {int(addr[i]):#x} + {int(plan.length[i])} "
                             f"bytes is outside the registered memory")

@@ -177,6 +177,11 @@ def mamba(*, layer: str, group: int, base: int, block_stride: int, num_blocks: i
                    page_bytes, tuple(sections))]
 
 
+def storage_spans(regions: list[Region]) -> list[tuple[int, int]]:
+    """The disjoint, sorted (address, size) storages that ``regions`` lie in."""
+    return unique_storages([(r.base, r.end - r.base) for r in regions])
+
+
 def unique_storages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Merge (start, size) spans into disjoint ranges, so each storage registers once."""
     merged: list[list[int]] = []
