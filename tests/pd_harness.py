@@ -380,6 +380,13 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
     return Instance(scheduler, workers, ranks, tp)
 
 
+def step_prefill(p: Instance, steps: int = 3) -> None:
+    """A few prefill steps: its worker arms a finished request's transfer, and reports a
+    released one in finished_sending, at the step after."""
+    for _ in range(steps):
+        p.step()
+
+
 def run_prefill(p: Instance, prompts: list[int], timeout: float = 30.0) -> dict[str, Any]:
     """Prefill each prompt as the router does (max_tokens=1, a minted transfer id)."""
     records = {}

@@ -15,6 +15,18 @@ import torch
 import vllm_harness as harness
 
 
+def _assert_attention_bytes_moved(p, d, records):
+    """Every layer's K/V bytes of each request's blocks on decode equal prefill's."""
+    for rec in records.values():
+        send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
+        recv = d.recv_tasks[rec["d_req"]]
+        for layer in p.ranks[0].config.kv_cache_groups[0].layer_names:
+            for pb, db in zip(send.block_ids[0][-len(recv.block_ids[0]):],
+                              recv.block_ids[0], strict=True):
+                np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
+                                              pd.attention_block_bytes(p, layer, pb))
+
+
 def _empty(inst):
     assert not inst.scheduler.has_requests()
     assert harness.blocks_in_use(inst.scheduler) == 0
@@ -28,15 +40,9 @@ def test_dense_pd_bytes_equal(p_tp, d_tp, dtype):
     d = pd.build_instance("kv_consumer", d_tp, port + 5, model="dense", dtype=dtype, seed=4)
     try:
         records = pd.run_pd(p, d, prompts=[33, 64, 5])
-        for rec in records.values():
-            send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
-            recv = d.recv_tasks[rec["d_req"]]
-            assert recv.num_tokens == rec["tokens"]  # no Mamba group: all N tokens load
-            for layer in p.ranks[0].config.kv_cache_groups[0].layer_names:
-                for pb, db in zip(send.block_ids[0][-len(recv.block_ids[0]):],
-                                  recv.block_ids[0], strict=True):
-                    np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
-                                                  pd.attention_block_bytes(p, layer, pb))
+        for rec in records.values():  # no Mamba group: all N tokens load
+            assert d.recv_tasks[rec["d_req"]].num_tokens == rec["tokens"]
+        _assert_attention_bytes_moved(p, d, records)
         assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
         regions = p.workers[0].regions
         assert {r.name.rsplit(".", 1)[1] for r in regions} == {"k", "v"}  # layer-first
@@ -307,14 +313,7 @@ def test_every_backend_familys_layout_moves_the_right_bytes(layout, p_tp, d_tp):
             assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
             assert not any(w.stats.get("recv_bytes") for w in d.workers)
             return
-        for rec in records.values():
-            send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
-            recv = d.recv_tasks[rec["d_req"]]
-            for layer in p.ranks[0].config.kv_cache_groups[0].layer_names:
-                for pb, db in zip(send.block_ids[0][-len(recv.block_ids[0]):],
-                                  recv.block_ids[0], strict=True):
-                    np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
-                                                  pd.attention_block_bytes(p, layer, pb))
+        _assert_attention_bytes_moved(p, d, records)
         assert sum(sum(w.ledger.counts.values()) for w in d.workers) == 0
         assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
         _empty(p)

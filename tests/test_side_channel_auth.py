@@ -157,12 +157,6 @@ def test_non_loopback_bind_without_a_secret_stops_the_worker_at_startup():
         p.shutdown()
 
 
-def _arm(p: pd.Instance) -> None:
-    """Prefill's worker arms a finished request's transfer at its next step."""
-    for _ in range(3):
-        p.step()
-
-
 def _bystander() -> tuple[ctypes.Array, int]:
     buf = (ctypes.c_char * (1 << 16))()
     return buf, ctypes.addressof(buf)
@@ -180,7 +174,7 @@ def test_pull_naming_memory_outside_the_receivers_regions_writes_nothing():
         buf, address = _bystander()
         records = pd.run_prefill(p, [37])
         tid = next(iter(records))
-        _arm(p)
+        pd.step_prefill(p)
         sheet = d.workers[0].sheet
         moved = tuple(msgspec.structs.replace(r, base=address) for r in sheet.regions)
         forged = msgspec.structs.replace(sheet, regions=moved)
@@ -207,7 +201,7 @@ def test_a_transfer_id_alone_does_not_let_another_decode_read_it():
     try:
         records = pd.run_prefill(p, [70])
         tid = next(iter(records))
-        _arm(p)
+        pd.step_prefill(p)
         groups = len(d.workers[0].sheet.layout.block_sizes)
         blocks = ((1, 2, 3, 4, 5),) * groups
         first = _ask(port, hs.PullRequest(tid, d.workers[0].sheet, blocks))

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pd_harness as pd
+import pytest
 import zmq
 from transport_standin import Faults
 
@@ -24,8 +25,7 @@ def _ask(port: int, message: hs.Message, timeout: float = 10.0) -> hs.Message:
 def _slow_pull_started(p: pd.Instance, d: pd.Instance, port: int) -> tuple[str, dict]:
     records = pd.run_prefill(p, [70])
     tid = next(iter(records))
-    for _ in range(3):  # prefill's worker arms the transfer at its next step
-        p.step()
+    pd.step_prefill(p)
     groups = len(d.workers[0].sheet.layout.block_sizes)
     result: dict = {}
 
@@ -44,43 +44,42 @@ def _slow_pull_started(p: pd.Instance, d: pd.Instance, port: int) -> tuple[str, 
     return tid, result
 
 
-def test_a_slow_write_does_not_stall_the_side_channel():
+@pytest.fixture
+def slow_pair():
+    """A dense prefill whose every write takes SLOW_WRITE, its decode, and prefill's port."""
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense",
                           faults=Faults(delay_seconds=SLOW_WRITE))
     d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
     try:
-        _, pull = _slow_pull_started(p, d, port)
-        answer = _ask(port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0))
-        assert isinstance(answer, hs.HandshakeReply)
-        assert p.workers[0].transport.write_done_at == []  # answered during the write
-        pull["thread"].join(timeout=10)
-        assert pull["reply"].ok and pull["reply"].num_bytes > 0
+        yield p, d, port
     finally:
         p.shutdown()
         d.shutdown()
 
 
-def test_release_during_a_write_is_acknowledged_only_after_the_write():
-    port = pd.free_port()
-    p = pd.build_instance("kv_producer", 1, port, model="dense",
-                          faults=Faults(delay_seconds=SLOW_WRITE))
-    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
-    try:
-        tid, pull = _slow_pull_started(p, d, port)
-        ack = _ask(port, hs.Release(tid))
-        acked_at = time.monotonic()
-        assert isinstance(ack, hs.Ack)
-        written = p.workers[0].transport.write_done_at
-        assert len(written) == 1 and written[0] <= acked_at
-        pull["thread"].join(timeout=10)
-        assert pull["reply"].ok
-        for _ in range(3):
-            p.step()
-        assert p.scheduler.connector.scheduler.num_held == 0  # released, blocks freed
-    finally:
-        p.shutdown()
-        d.shutdown()
+def test_a_slow_write_does_not_stall_the_side_channel(slow_pair):
+    p, d, port = slow_pair
+    _, pull = _slow_pull_started(p, d, port)
+    answer = _ask(port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0))
+    assert isinstance(answer, hs.HandshakeReply)
+    assert p.workers[0].transport.write_done_at == []  # answered during the write
+    pull["thread"].join(timeout=10)
+    assert pull["reply"].ok and pull["reply"].num_bytes > 0
+
+
+def test_release_during_a_write_is_acknowledged_only_after_the_write(slow_pair):
+    p, d, port = slow_pair
+    tid, pull = _slow_pull_started(p, d, port)
+    ack = _ask(port, hs.Release(tid))
+    acked_at = time.monotonic()
+    assert isinstance(ack, hs.Ack)
+    written = p.workers[0].transport.write_done_at
+    assert len(written) == 1 and written[0] <= acked_at
+    pull["thread"].join(timeout=10)
+    assert pull["reply"].ok
+    pd.step_prefill(p)
+    assert p.scheduler.connector.scheduler.num_held == 0  # released, blocks freed
 
 
 def test_a_pull_for_a_released_transfer_is_answered_at_once():
@@ -93,16 +92,14 @@ def test_a_pull_for_a_released_transfer_is_answered_at_once():
     try:
         records = pd.run_prefill(p, [70])
         tid = next(iter(records))
-        for _ in range(3):  # armed at prefill's next step
-            p.step()
+        pd.step_prefill(p)
         assert isinstance(_ask(port, hs.Release(tid)), hs.Ack)  # the failed rank's release
         groups = len(d.workers[1].sheet.layout.block_sizes)
         late = _ask(port, hs.PullRequest(tid, d.workers[1].sheet, ((1, 2, 3, 4, 5),) * groups),
                     timeout=5.0)
         assert isinstance(late, hs.PullReply) and not late.ok
         assert "released by decode" in late.error
-        for _ in range(3):
-            p.step()
+        pd.step_prefill(p)
         assert not pd.busy(p)
     finally:
         p.shutdown()
