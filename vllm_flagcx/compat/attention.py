@@ -15,7 +15,8 @@ import logging
 import sys
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
+from vllm_flagcx.compat.capabilities import capabilities
+from vllm_flagcx.compat.probe import resolve
 
 # 0.34 layout names that have a legacy (<= 0.22) spelling.
 _LEGACY_LAYOUT = {"LBHNC": "HND", "LBNHC": "NHD"}
@@ -46,7 +47,7 @@ def _dedup(backends: list[Any]) -> list[Any]:
 
 def current_attn_backends(vllm_config: Any, layer_names: list[str] | None = None) -> list[Any]:
     """Distinct attention backend classes of the model's layers (or the default one)."""
-    mode = FEATURES_BY_KEY["current_attn_backends"].probe()
+    mode = capabilities().current_attn_backends
     with resolve("set_current_vllm_config")(vllm_config):
         if mode == "list":
             return list(resolve("get_current_attn_backends")(vllm_config, layer_names))
@@ -71,7 +72,7 @@ def kv_layout(vllm_config: Any) -> str | None:
 
     None when 0.34's engine core has not resolved the layout yet.
     """
-    source = FEATURES_BY_KEY["kv_layout"].probe()
+    source = capabilities().kv_layout
     if source == "get_kv_cache_layout":
         with resolve("set_current_vllm_config")(vllm_config):
             return str(resolve("get_kv_cache_layout")())

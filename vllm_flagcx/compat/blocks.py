@@ -12,12 +12,12 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY, optional, resolve
+from vllm_flagcx.compat.capabilities import capabilities
+from vllm_flagcx.compat.probe import optional
 
 
 def null_block_id() -> int:
@@ -31,7 +31,7 @@ def _is_null(block: Any) -> bool:
 
 def block_ids(blocks: Any, group_ids: Sequence[int] | None = None) -> tuple[list[int], ...]:
     """Block ids per group of a ``KVCacheBlocks``, optionally only some groups."""
-    if group_ids is not None and FEATURES_BY_KEY["block_ids_group_ids"].probe() == "kwarg":
+    if group_ids is not None and capabilities().block_ids_group_ids == "kwarg":
         return tuple(blocks.get_block_ids(group_ids=list(group_ids)))
     ids = tuple(blocks.get_block_ids())
     if group_ids is None:
@@ -41,9 +41,8 @@ def block_ids(blocks: Any, group_ids: Sequence[int] | None = None) -> tuple[list
 
 def unhashed_block_ids_all_groups(blocks: Any) -> list[list[int]]:
     """Per group, the ids of blocks without a hash (newly allocated), null blocks skipped."""
-    native = getattr(blocks, "get_unhashed_block_ids_all_groups", None)
-    if native is not None:
-        return [list(g) for g in native()]
+    if capabilities().unhashed_block_ids_all_groups == "native":
+        return [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
     return [
         [b.block_id for b in group if b.block_hash is None and not _is_null(b)]
         for group in blocks.blocks
@@ -68,7 +67,7 @@ class HmaState:
 def hma_state(vllm_config: Any) -> HmaState:
     """Whether the hybrid KV cache manager is on for this config, and why."""
     flag = vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-    default = FEATURES_BY_KEY["hma_default"].probe()
+    default = capabilities().hma_default
     if flag is None:
         enabled = default == "auto"
         return HmaState(enabled, f"unset, default={default}")
@@ -104,7 +103,7 @@ def require_hybrid_async_load(is_consumer: bool, kv_cache_config: Any) -> None:
     """Refuse a decode (consumer) role for a hybrid model where vLLM would crash later."""
     if not is_consumer or kv_cache_config is None or len(kv_cache_config.kv_cache_groups) < 2:
         return
-    if FEATURES_BY_KEY["hybrid_async_load"].probe() == "single_group":
+    if capabilities().hybrid_async_load == "single_group":
         raise HybridRemoteLoadUnsupported(
             "FlagCXConnector: this vLLM build's scheduler completes remote KV loads for ONE "
             f"KV cache group only, and this model has {len(kv_cache_config.kv_cache_groups)}"
@@ -128,12 +127,7 @@ def require_mamba_align_accepts_remote_loads(is_consumer: bool, vllm_config: Any
     if (not is_consumer or kv_cache_config is None or not has_mamba_groups(kv_cache_config)
             or getattr(cache, "mamba_cache_mode", "none") != "align"):
         return
-    method = getattr(resolve("Scheduler"), "_mamba_block_aligned_split", None)
-    try:
-        source = inspect.getsource(method) if method is not None else ""
-    except (OSError, TypeError):
-        source = ""
-    if "num_external_computed_tokens == 0" in source:
+    if capabilities().mamba_align_external_tokens == "asserts_none":
         raise HybridRemoteLoadUnsupported(
             "FlagCXConnector (decode): prefix caching is on for a hybrid (Mamba/GDN) model, "
             "so vLLM runs mamba_cache_mode='align', and this build's scheduler asserts that "

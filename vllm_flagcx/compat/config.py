@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
+from vllm_flagcx.compat.capabilities import capabilities
+from vllm_flagcx.compat.probe import resolve
 
 _MISSING = object()
 
@@ -37,14 +38,15 @@ def kv_transfer_field(kv_transfer_config: Any, name: str, default: Any = None) -
 
 
 def dp_index(parallel_config: Any) -> int:
-    if FEATURES_BY_KEY["dp_index_field"].probe() == "data_parallel_index":
+    if capabilities().dp_index_field == "data_parallel_index":
         return int(getattr(parallel_config, "data_parallel_index", 0) or 0)
     return int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
 
 
 def failure_policy(kv_transfer_config: Any) -> str:
     """"recompute" or "fail": what vLLM does with blocks reported as failed."""
-    return str(kv_transfer_field(kv_transfer_config, "kv_load_failure_policy", "recompute"))
+    default = capabilities().kv_load_failure_policy_default
+    return str(kv_transfer_field(kv_transfer_config, "kv_load_failure_policy", default))
 
 
 def resumed_request_ids(scheduler_output: Any, seen_new_before: set[str]) -> set[str]:
@@ -54,7 +56,7 @@ def resumed_request_ids(scheduler_output: Any, seen_new_before: set[str]) -> set
     a resumed request arrives as new again, which is how it is recognised there.
     """
     cached = scheduler_output.scheduled_cached_reqs
-    if FEATURES_BY_KEY["resumed_requests"].probe() == "resumed_req_ids":
+    if capabilities().resumed_requests == "resumed_req_ids":
         return set(getattr(cached, "resumed_req_ids", ()) or ())
     return {r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id in seen_new_before}
 

@@ -40,9 +40,9 @@ KVConnectorWorkerMetadata = optional("KVConnectorWorkerMetadata") or _WorkerMeta
 
 
 def _base_takes_kv_cache_config() -> bool:
-    import inspect
+    from vllm_flagcx.compat.capabilities import capabilities
 
-    return "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters
+    return capabilities().connector_kv_cache_config_arg != "absent"
 
 
 class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):
@@ -103,11 +103,11 @@ def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], per_reque
     groups: block ids cannot be mapped back (vLLM unpacks one group, 0.34 raises), so the
     failure goes per request: ``failed_recving`` (0.34) or our worker metadata (0.18+).
     """
-    from vllm_flagcx.compat.probe import FEATURES_BY_KEY
+    from vllm_flagcx.compat.capabilities import capabilities
 
     if not per_request:  # connector.scheduler.reports_failures_per_request
         return {"invalid_block_ids": set(invalid_blocks)}
-    mode = FEATURES_BY_KEY["hybrid_load_failure_report"].probe()
+    mode = capabilities().hybrid_load_failure_report
     if mode == "failed_recving":
         return {"failed_recving": set(failed)}
     if mode == "worker_meta" and failed:

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
+from vllm_flagcx.compat.capabilities import capabilities
+from vllm_flagcx.compat.probe import resolve
 
 
 class SpecKind(str, enum.Enum):
@@ -66,7 +67,7 @@ def mamba_type_name(spec_or_value: Any) -> str:
 
 def _mamba_type_value(name: str) -> Any:
     """The value ``MambaSpec(mamba_type=...)`` expects on this build, from a canonical name."""
-    if FEATURES_BY_KEY["mamba_type"].probe() == "str":
+    if capabilities().mamba_type == "str":
         return name
     enum_cls = resolve("MambaAttentionBackendEnum")
     try:
@@ -112,7 +113,7 @@ def make_kv_cache_tensor(*, size: int, layer_names: Sequence[str], num_blocks: i
     (``shared_by``-style sharing) has layer stride 0 and a block stride of one page.
     """
     cls = resolve("KVCacheTensor")
-    if FEATURES_BY_KEY["kv_cache_tensor_layers"].probe() == "shared_by":
+    if capabilities().kv_cache_tensor_layers == "shared_by":
         return cls(size=size, shared_by=list(layer_names))
     return cls(size=size, layers=list(layer_names), layer_stride=0,
                block_stride=size // num_blocks)

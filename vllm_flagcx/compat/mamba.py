@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.probe import optional
 
 TRUNCATED_KEY = "_flagcx_p_side_truncated"
@@ -19,10 +20,9 @@ TRUNCATED_KEY = "_flagcx_p_side_truncated"
 
 def conv_state_layout() -> str:
     """"SD" or "DS": how this build stores Mamba conv state."""
-    probe = optional("is_conv_state_dim_first")
-    if probe is None:
+    if capabilities().conv_state_layouts == "SD":
         return "SD"
-    return "DS" if probe() else "SD"
+    return "DS" if optional("is_conv_state_dim_first")() else "SD"
 
 
 def remote_prefill_token_count(num_prompt_tokens: int, has_mamba: bool) -> int:
@@ -53,9 +53,8 @@ def truncate_for_prefill(request: Any, hash_block_size: int | None = None) -> bo
     request.max_tokens = 1
     params[TRUNCATED_KEY] = True
     if hash_block_size:
-        native = getattr(request, "truncate_block_hashes", None)
-        if native is not None:
-            native(hash_block_size)
+        if capabilities().truncate_block_hashes == "native":
+            request.truncate_block_hashes(hash_block_size)
         elif getattr(request, "block_hashes", None) is not None:
             del request.block_hashes[request.num_tokens // hash_block_size:]
     return True

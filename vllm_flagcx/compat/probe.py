@@ -144,7 +144,9 @@ def _kv_cache_tensor_layers() -> str:
 
 def _mamba_type() -> str:
     default = _field_default(resolve("MambaSpec"), "mamba_type")
-    return "str" if isinstance(default, str) and type(default) is str else "enum"
+    if isinstance(default, str) and type(default) is str:
+        return "str"
+    return "enum" if optional("MambaAttentionBackendEnum") is not None else ABSENT
 
 
 def _unhashed_all_groups() -> str:
@@ -213,6 +215,35 @@ def _hybrid_async_load() -> str:
     return "single_group" if "(block_ids,) =" in source else "multi_group"
 
 
+def _scheduler_source(method_name: str) -> str | None:
+    """Source of a Scheduler method; None where the method is absent or has no source."""
+    method = getattr(resolve("Scheduler"), method_name, None)
+    if method is None:
+        return None
+    try:
+        return inspect.getsource(method)
+    except (OSError, TypeError):
+        return None
+
+
+def _failed_load_blocks() -> str:
+    """Does ``_update_waiting_for_remote_kv`` free the blocks of a request listed in
+    ``failed_recving_kv_req_ids``? (read from its source: no other trace exists)."""
+    source = _scheduler_source("_update_waiting_for_remote_kv") or ""
+    if "failed_recving_kv_req_ids" in source and "kv_cache_manager.free(" in source:
+        return "freed"
+    return ABSENT
+
+
+def _mamba_align_external_tokens() -> str:
+    """0.22's ``_mamba_block_aligned_split`` asserts that no external tokens arrive in
+    mamba_cache_mode='align' ("External KV connector is not verified yet"); 0.34 dropped it."""
+    source = _scheduler_source("_mamba_block_aligned_split")
+    if source is None:
+        return ABSENT
+    return "asserts_none" if "num_external_computed_tokens == 0" in source else "accepted"
+
+
 def _load_failure_report() -> str:
     """How a failed receive of a multi-group (HMA) request can reach the scheduler.
 
@@ -275,6 +306,12 @@ FEATURES: tuple[FeatureProbe, ...] = (
     FeatureProbe("hybrid_load_failure_report", "blocks", _load_failure_report, False,
                  "KVConnectorOutput.failed_recving (0.34) or kv_connector_worker_meta (0.18+)"
                  " to fail one hybrid request"),
+    FeatureProbe("failed_load_blocks", "blocks", _failed_load_blocks, False,
+                 "a scheduler that frees the blocks of a request in failed_recving_kv_req_ids"
+                 " (the recompute path of hybrid requests before 0.34)"),
+    FeatureProbe("mamba_align_external_tokens", "mamba", _mamba_align_external_tokens, False,
+                 "Scheduler._mamba_block_aligned_split accepting external (remote) tokens"
+                 " (prefix caching on a hybrid decode)"),
     FeatureProbe("resumed_requests", "blocks", _resumed_requests, True,
                  "CachedRequestData.resumed_req_ids or resumed requests in scheduled_new_reqs"),
     FeatureProbe("dp_index_field", "config", _dp_index_field, True,
@@ -326,5 +363,8 @@ def profile() -> dict[str, str]:
 
 
 def clear_caches() -> None:
-    """Forget resolved names (tests that hide a capability call this)."""
+    """Forget resolved names and probed features (tests that hide a capability call this)."""
+    from vllm_flagcx.compat.capabilities import capabilities
+
     locate.cache_clear()
+    capabilities.cache_clear()

@@ -26,12 +26,12 @@ How, per build:
 
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
 from typing import Any
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY, resolve
+from vllm_flagcx.compat.capabilities import capabilities
+from vllm_flagcx.compat.probe import resolve
 
 NATIVE = "native"
 SCHEDULER_FAILED_SET = "scheduler_failed_set"
@@ -56,21 +56,18 @@ def find_owning_scheduler(max_depth: int = 24) -> Any | None:
 
 
 def _frees_failed_loads(scheduler_cls: Any) -> bool:
-    """Does this build's ``_update_waiting_for_remote_kv`` free the blocks of a request in
-    ``failed_recving_kv_req_ids`` whose computed tokens are 0? (read from its source: no
-    other trace of this behaviour exists)."""
-    method = getattr(scheduler_cls, "_update_waiting_for_remote_kv", None)
-    try:
-        source = inspect.getsource(method) if method is not None else ""
-    except (OSError, TypeError):
-        return False
-    return "failed_recving_kv_req_ids" in source and "kv_cache_manager.free(" in source
+    """Does this scheduler free the blocks of a request in ``failed_recving_kv_req_ids``?
+    The capability is read from vLLM's own Scheduler; a subclass that overrides the method
+    is not trusted to do the same."""
+    method = "_update_waiting_for_remote_kv"
+    return (capabilities().failed_load_blocks == "freed"
+            and getattr(scheduler_cls, method, None) is getattr(resolve("Scheduler"), method))
 
 
 def recovery_mode(scheduler_cls: Any | None) -> str | None:
     """``native``, ``scheduler_failed_set`` or None (see the module docstring);
     ``scheduler_cls`` None: no scheduler was found to hand failures to."""
-    if FEATURES_BY_KEY["hybrid_load_failure_report"].probe() == "failed_recving":
+    if capabilities().hybrid_load_failure_report == "failed_recving":
         return NATIVE
     if scheduler_cls is not None and _frees_failed_loads(scheduler_cls):
         return SCHEDULER_FAILED_SET

@@ -152,6 +152,6 @@ def platform_traits(platform: object) -> PlatformTraits:
 
 
 def installed_platform_traits() -> PlatformTraits:
-    from vllm.platforms import current_platform
+    from vllm_flagcx.compat.probe import resolve
 
-    return platform_traits(current_platform)
+    return platform_traits(resolve("current_platform"))
