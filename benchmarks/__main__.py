@@ -2,10 +2,11 @@
 
 B1 plan cost per request (vs vLLM NIXL's desc-id code), B2a host data path (vs memcpy),
 B3 cost per engine step (real vLLM Scheduler, ours vs NixlConnector's scheduler side),
-B4 first-request handshake, and B2b (CUDA IPC vs a device-to-device copy) where a CUDA GPU
-is present (``benchmarks/gpu_ipc.py`` runs it alone). Each prints a machine fingerprint
-and a table, writes JSON and a PNG per benchmark to ``--out``. ``--quick`` is a
-few-minute smoke run of the harness; its numbers are not the published ones.
+B4 first-request handshake; where a CUDA GPU is present, B2b (CUDA IPC vs a device-to-device
+copy; ``benchmarks/gpu_ipc.py`` runs it alone) and B5 (KV transfer inside real CUDA engines,
+``vllm bench serve`` PD vs monolithic). Each prints a machine fingerprint and a table,
+writes JSON and a PNG per benchmark to ``--out``. ``--quick`` is a few-minute smoke run
+of the harness; its numbers are not the published ones.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from benchmarks import report
 
-ALL = ("b1_plan", "b2a_host", "b2b_gpu", "b3_step", "b4_handshake")
+ALL = ("b1_plan", "b2a_host", "b2b_gpu", "b3_step", "b4_handshake", "b5_engines")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,8 @@ def test_corrupt_first_block_touches_only_that_block_of_group_zero():
     base = buf.ctypes.data_as(ctypes.c_void_p).value
     regions = [Region("a", "a", 0, "full_attention", base, 64, 2, 32),
                Region("b", "b", 1, "sliding_window", base + 128, 64, 2, 32)]
-    written = fault_knobs.corrupt_first_block(regions, [[1], [0]], host_memory=True)
+    written = fault_knobs.corrupt_first_block(regions, [[1], [0]],
+                                              fault_knobs.memory_filler(host_memory=True))
     assert written == 32
     assert (buf[64:96] == fault_knobs.GARBAGE_BYTE).all()
     assert not buf[:64].any() and not buf[96:].any()

@@ -23,12 +23,17 @@ PROMPTS = demo_run.PROMPTS
 
 
 class Deployment:
-    def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "float32") -> None:
+    """``engine_args`` and ``cpu_isa="auto"``: the GPU suite's engines (tests/gpu)."""
+
+    def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "float32",
+                 engine_args: tuple[str, ...] = (), cpu_isa: str = "vec",
+                 max_model_len: int = 1024) -> None:
         model = demo_model.write_model(workdir / "model", kind)
         self.side = rs.free_port()
         self.prefill, self.decode, self.router = demo_run.deployment(
             sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
-            self.side, dtype, test_faults=True)
+            self.side, dtype, cpu_isa=cpu_isa, test_faults=True, engine_args=engine_args,
+            max_model_len=max_model_len)
         self.model = model
 
     def restart(self, server: sv.Server) -> None:

@@ -5,7 +5,8 @@ Off unless the decode instance sets ``kv_connector_extra_config.test_faults: tru
 request then asks for one with ``kv_transfer_params.flagcx_test_fault``:
 
 - ``corrupt_block``: after a pull that succeeded (integrity check included), overwrite
-  the request's first block in every region of its first KV cache group (host memory).
+  the request's first block in every region of its first KV cache group (host memory, or
+  GPU memory through the CUDA driver).
 - ``drop_all``: skip the pull and report it done: decode runs on whatever its blocks held.
 
 Either must make decode's greedy output differ from the monolithic one (or fail the
@@ -15,7 +16,7 @@ request); the e2e tests assert that, per model.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 PARAM = "flagcx_test_fault"
@@ -41,11 +42,28 @@ def requested_fault(fault: str, enabled: bool) -> str:
     return str(fault)
 
 
+def _fill_host(address: int, byte: int, size: int) -> None:
+    ctypes.memset(address, byte, size)
+
+
+def memory_filler(host_memory: bool) -> Callable[[int, int, int], None]:
+    """``fill(address, byte, size)`` for the KV caches' memory: memset on the host, the CUDA
+    driver's memset on a GPU. Refuses by name where GPU caches have no driver."""
+    if host_memory:
+        return _fill_host
+    from vllm_flagcx.transport.cuda_ipc import driver
+
+    cuda = driver()
+    if cuda is None:
+        raise FaultKnobError("corrupt_block: the KV caches are device memory and no CUDA "
+                             "driver (libcuda.so.1) loads here")
+    return cuda.fill
+
+
 def corrupt_first_block(regions: Sequence[Any], block_ids: Sequence[Sequence[int]],
-                        host_memory: bool) -> int:
-    """Overwrite block ``block_ids[0][0]`` in every region of group 0; bytes written."""
-    if not host_memory:
-        raise FaultKnobError("corrupt_block needs host KV caches (CPU engines)")
+                        fill: Callable[[int, int, int], None]) -> int:
+    """Overwrite block ``block_ids[0][0]`` in every region of group 0 with ``fill``
+    (``memory_filler``); bytes written."""
     if not block_ids or not block_ids[0]:
         return 0
     block = block_ids[0][0]
@@ -53,7 +71,6 @@ def corrupt_first_block(regions: Sequence[Any], block_ids: Sequence[Sequence[int
     for region in regions:
         if region.group != 0 or not 0 <= block < region.num_blocks:
             continue
-        ctypes.memset(region.base + block * region.block_stride, GARBAGE_BYTE,
-                      region.block_bytes)
+        fill(region.base + block * region.block_stride, GARBAGE_BYTE, region.block_bytes)
         written += region.block_bytes
     return written

@@ -133,8 +133,9 @@ class Puller:
                     return
             total += reply.num_bytes
         if fault == "corrupt_block":
-            fault_knobs.corrupt_first_block(self.regions, task.block_ids,
-                                            self.settings.host_memory)
+            fault_knobs.corrupt_first_block(
+                self.regions, task.block_ids,
+                fault_knobs.memory_filler(self.settings.host_memory))
         with self._lock:
             self._done_recving.add(task.request_id)
             self.stats["recv_bytes"] += total

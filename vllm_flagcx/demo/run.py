@@ -83,21 +83,23 @@ def transfer_after(decode: sv.Server, before: tuple[float, float]) -> tuple[floa
 
 def deployment(python: str, model: Path, workdir: Path, router_port: int, prefill_port: int,
                decode_port: int, side_channel_port: int, dtype: str = "bfloat16",
-               cpu_isa: str = "vec", test_faults: bool = False
+               cpu_isa: str = "vec", test_faults: bool = False,
+               engine_args: tuple[str, ...] = (), max_model_len: int = 1024
                ) -> tuple[sv.Server, sv.Server, sv.Server]:
     """(prefill, decode, router) servers, not started. Prefix caching is off on prefill so
     its monolithic answers never reuse KV from an earlier transfer. Each engine gets its own
     half of the machine's CPUs (``servers.split_cpus``) and the same CPU kernel path
-    (``servers.engine_cpu_isa_env``)."""
+    (``servers.engine_cpu_isa_env``). ``engine_args`` go to both engines (the GPU suite's
+    ``--attention-backend``, ``--gpu-memory-utilization``)."""
     prefill_cpus, decode_cpus = sv.split_cpus(2)
     prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
                              kv_config("kv_producer", side_channel_port),
-                             ["--no-enable-prefix-caching"], cpus=prefill_cpus, dtype=dtype,
-                             cpu_isa=cpu_isa)
+                             ["--no-enable-prefix-caching", *engine_args], cpus=prefill_cpus,
+                             dtype=dtype, cpu_isa=cpu_isa, max_model_len=max_model_len)
     decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
                             kv_config("kv_consumer", side_channel_port, test_faults),
-                            cpus=decode_cpus,
-                            dtype=dtype, cpu_isa=cpu_isa)
+                            list(engine_args), cpus=decode_cpus, dtype=dtype, cpu_isa=cpu_isa,
+                            max_model_len=max_model_len)
     router = sv.router_server(python, router_port, workdir / "router.log", [prefill],
                               [decode], side_channel_port)
     return prefill, decode, router

