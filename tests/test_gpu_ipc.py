@@ -130,3 +130,24 @@ def test_integrity_checksum_reads_device_memory():
     assert integrity.checksum(ranges, read) == want
     data[1000 + 63] ^= 1
     assert integrity.checksum(ranges, read) != want
+
+
+def test_a_range_over_two_allocations_is_exported_per_allocation():
+    """vLLM's KV tensors are separate allocations, often back to back, and the connector
+    registers adjacent storages as one span: each allocation needs its own IPC handle."""
+    from vllm_flagcx.transport import cuda_ipc
+
+    size = 64 << 20
+    a = torch.empty(size, dtype=torch.uint8, device="cuda")
+    b = torch.empty(size, dtype=torch.uint8, device="cuda")
+    cuda = cuda_ipc.driver()
+    first, second = sorted((a.data_ptr(), b.data_ptr()))
+    base_first, len_first = cuda.allocation(first)
+    if base_first + len_first != cuda.allocation(second)[0]:
+        pytest.skip("the two allocations are not adjacent here")
+    start = first
+    end = cuda.allocation(second)[0] + cuda.allocation(second)[1]
+    pieces = cuda_ipc.describe_device(start, end - start)
+    assert [p["base"] for p in pieces] == [base_first, base_first + len_first]
+    assert sum(p["size"] for p in pieces) == end - start
+    assert pieces[0]["handle"] != pieces[1]["handle"]

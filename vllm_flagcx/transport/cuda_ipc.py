@@ -170,11 +170,27 @@ def driver() -> CudaDriver | None:
         return None
 
 
-def describe_device(ptr: int, size: int) -> dict[str, Any] | None:
-    """(export facts) for a registered device range, or None for host memory."""
+def describe_device(ptr: int, size: int) -> list[dict[str, Any]] | None:
+    """Export facts for a registered device range, one entry per CUDA allocation it covers,
+    or None for host memory.
+
+    An IPC handle maps ONE allocation. A registered range may span several: vLLM allocates
+    each KV cache tensor on its own, the caching allocator often places them back to back,
+    and the connector registers adjacent storages as one span. Exporting only the first
+    allocation's handle made every address past its end invalid in the peer (measured on
+    the H200: CUDA_ERROR_INVALID_VALUE from the copy, or an illegal address in the batched
+    kernel that took the prefill engine down), so the range is cut at allocation ends."""
     cuda = driver()
     if cuda is None or not cuda.is_device(ptr):
         return None
-    base, _ = cuda.allocation(ptr)
-    return {"addr": ptr, "size": size, "base": base, "handle": cuda.export(base),
-            "device": cuda.device_of(ptr)}
+    pieces = []
+    start, end = ptr, ptr + size
+    while start < end:
+        base, length = cuda.allocation(start)
+        stop = min(end, base + length)
+        if stop <= start:
+            raise CudaError(f"{start:#x} lies in no allocation of {length} bytes at {base:#x}")
+        pieces.append({"addr": start, "size": stop - start, "base": base,
+                       "handle": cuda.export(base), "device": cuda.device_of(start)})
+        start = stop
+    return pieces

@@ -99,7 +99,7 @@ class LocalTransport(Transport):
         except cuda_ipc.CudaError as exc:
             raise TransportError(f"register({address:#x}, {size}): {exc}") from exc
         if device is not None:
-            self.device_ranges.append(_DeviceRange(**device))
+            self.device_ranges += [_DeviceRange(**piece) for piece in device]
         else:
             self.ranges.append((address, address + size))
 
