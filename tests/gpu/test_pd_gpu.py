@@ -57,6 +57,7 @@ NEAR_TIES = ("hybrid-bf16-flash_attn", "hybrid-bf16-triton_attn")
 # closer than bf16 can tell apart at the head's logit scale (|logit| ~ 16-32: one bf16
 # ulp is 0.125-0.25).
 NEAR_TIE_NATS = 0.25
+TOP_K = 20
 REPORT: dict[str, Any] = {}
 
 
@@ -90,8 +91,8 @@ def pairs(tmp_path_factory):
 
 
 def _compare(d: Any) -> list[dict[str, Any]]:
-    """Per demo prompt: PD's and the monolithic answer, their top-5 logprobs, bytes and
-    seconds of the transfer."""
+    """Per demo prompt: PD's and the monolithic answer, their top-20 logprobs (vLLM's
+    default max_logprobs), bytes and seconds of the transfer."""
     import engines
 
     from vllm_flagcx.demo import run as demo_run
@@ -99,10 +100,10 @@ def _compare(d: Any) -> list[dict[str, Any]]:
     rows = []
     for prompt in engines.PROMPTS:
         before = demo_run.received(d.decode)
-        via_pd = engines.complete(d.router.url, prompt, logprobs=5)
+        via_pd = engines.complete(d.router.url, prompt, logprobs=TOP_K)
         assert via_pd.status_code == 200, via_pd.text
         moved, seconds = demo_run.transfer_after(d.decode, before)
-        mono = engines.complete(d.prefill.url, prompt, logprobs=5)
+        mono = engines.complete(d.prefill.url, prompt, logprobs=TOP_K)
         assert mono.status_code == 200, mono.text
         rows.append({"prompt": prompt[:40], "pd": via_pd.json()["choices"][0],
                      "mono": mono.json()["choices"][0], "moved_bytes": moved,
