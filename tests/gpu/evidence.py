@@ -1,0 +1,39 @@
+"""Reading two greedy completions' logprobs (PD and monolithic) as evidence: where they part,
+by how much their distributions differ before that, and whether the flip is a near tie.
+
+Pure functions over the OpenAI completions ``logprobs`` objects (``tokens``,
+``top_logprobs``); the GPU suite (``test_pd_gpu.py``) records and asserts with them,
+``tests/test_gpu_evidence.py`` checks them on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BF16_ULP_AT_4 = 2.0 ** -6  # bf16 spacing of numbers in [2, 4): logprobs of a flat toy head
+
+
+def first_difference(pd: dict[str, Any], mono: dict[str, Any]) -> dict[str, Any] | None:
+    """Where two greedy completions part: the index, both tokens, both runs' top-k there and
+    the monolithic logprob gap between its pick and PD's (inf: PD's pick is not in its
+    top-k); None when the tokens are equal."""
+    pd_tokens, mono_tokens = pd["logprobs"]["tokens"], mono["logprobs"]["tokens"]
+    for i, (a, b) in enumerate(zip(pd_tokens, mono_tokens, strict=False)):
+        if a != b:
+            top = mono["logprobs"]["top_logprobs"][i]
+            gap = top[b] - top[a] if a in top else float("inf")
+            return {"index": i, "pd_token": a, "mono_token": b, "mono_top": top,
+                    "pd_top": pd["logprobs"]["top_logprobs"][i], "gap": gap}
+    return None
+
+
+def drift(pd: dict[str, Any], mono: dict[str, Any], upto: int) -> list[float]:
+    """Per position 0..upto: the largest |logprob difference| of a token both runs list in
+    their top-k. Equal KV computed with different rounding moves these by ulps; a wrong
+    block moves them from position 0 on by far more."""
+    out = []
+    for i in range(upto + 1):
+        a, b = pd["logprobs"]["top_logprobs"][i], mono["logprobs"]["top_logprobs"][i]
+        common = set(a) & set(b)
+        out.append(max((abs(a[t] - b[t]) for t in common), default=float("inf")))
+    return out

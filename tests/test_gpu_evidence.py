@@ -1,0 +1,34 @@
+"""The GPU suite's evidence functions (tests/gpu/evidence.py), on the CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import evidence
+
+
+def _run(tokens, tops):
+    return {"logprobs": {"tokens": tokens, "top_logprobs": tops}}
+
+
+def test_first_difference_reads_the_gap_and_both_top_k():
+    pd = _run(["a", "b"], [{"a": -0.1}, {"b": -0.7, "c": -0.75}])
+    mono = _run(["a", "c"], [{"a": -0.1}, {"c": -0.6, "b": -0.8}])
+    diff = evidence.first_difference(pd, mono)
+    assert diff["index"] == 1 and abs(diff["gap"] - 0.2) < 1e-9
+    assert diff["pd_top"] == {"b": -0.7, "c": -0.75}
+    assert evidence.first_difference(pd, pd) is None
+
+
+def test_a_pick_outside_the_monolithic_top_k_is_an_infinite_gap():
+    diff = evidence.first_difference(_run(["x"], [{"x": -1.0}]), _run(["y"], [{"y": -1.0}]))
+    assert diff["gap"] == float("inf")
+
+
+def test_drift_is_the_largest_difference_over_shared_tokens_per_position():
+    pd = _run(["a", "b"], [{"a": -1.0, "b": -2.0}, {"b": -0.5, "q": -3.0}])
+    mono = _run(["a", "b"], [{"a": -1.25, "b": -2.0}, {"b": -0.5, "z": -1.0}])
+    assert evidence.drift(pd, mono, 1) == [0.25, 0.0]
+    assert evidence.drift(pd, _run(["a"], [{"k": 0.0}]), 0) == [float("inf")]
