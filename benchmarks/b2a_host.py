@@ -30,7 +30,7 @@ def run(quick: bool) -> dict[str, Any]:
     baseline_dst = np.zeros(L.request_bytes(max(sizes)), dtype=np.uint8)
     out, rows = [], []
     use_test_helpers()
-    import peers
+    from testkit import peers
 
     with peers.spawned(peer.host_pool, p_pool.nbytes, start_timeout=120, stop="stop") as (
             conn, (desc, d_base)):

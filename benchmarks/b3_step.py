@@ -25,8 +25,10 @@ CLOSED_PORT = 9  # discard: nothing listens on loopback, heartbeats fail fast
 
 def _harness() -> Any:
     use_test_helpers()
-    import cpu_platform  # noqa: F401 - vLLM's CPU platform before vLLM loads
-    import vllm_harness
+    from testkit import (
+        cpu_platform,  # noqa: F401 - vLLM's CPU platform before vLLM loads
+        vllm_harness,
+    )
 
     return vllm_harness
 

@@ -40,7 +40,7 @@ def run(quick: bool) -> dict[str, Any]:
     transport = LocalTransport()
     parts: dict[str, dict[str, list[float]]] = {"cold": {}, "warm": {}}
     use_test_helpers()
-    import peers
+    from testkit import peers
 
     with peers.spawned(peer.prefill_side_channel, port, 2000, start_timeout=120,
                        stop="stop"):

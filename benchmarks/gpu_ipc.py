@@ -41,7 +41,7 @@ def main() -> int:
 
 def measure(repeats: int = REPEATS) -> dict:
     """Run every descriptor set; {"machine": fingerprint, "rows": [...]}."""
-    import peers
+    from testkit import peers
 
     pool = 2 * TOTAL
     with peers.spawned(peers.gpu_decode_side, pool, start_timeout=120, stop="stop") as (

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-import cpu_platform  # noqa: F401 - offline env and the CPU platform, before vLLM loads
 import pytest
+from testkit import cpu_platform  # noqa: F401 - offline env and the CPU platform, before vLLM loads
 
 
 @pytest.fixture(scope="session")

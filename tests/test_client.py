@@ -12,7 +12,7 @@ import time
 
 import pytest
 import zmq
-from router_standin import free_port
+from testkit.router_standin import free_port
 
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import vllm_harness as harness
+from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector.entry import (
     FlagCXConnector,
@@ -18,7 +18,7 @@ def test_transport_factory_errors_name_the_key():
         load_factory("nocolon")
     with pytest.raises(ValueError, match=r"transport_factory='no\.such\.module:make' cannot be"):
         load_factory("no.such.module:make")
-    assert load_factory("transport_standin:MemmoveTransport").__name__ == "MemmoveTransport"
+    assert load_factory("testkit.transport_standin:MemmoveTransport").__name__ == "MemmoveTransport"
 
 
 def test_worker_metadata_aggregates_failures_across_ranks():

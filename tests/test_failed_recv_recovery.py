@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-import pd_harness as pd
 import pytest
-import vllm_harness as harness
-from transport_standin import Faults
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
+from testkit.transport_standin import Faults
 
 from vllm_flagcx.compat.blocks import strip_null_blocks
 from vllm_flagcx.compat.config import failure_policy

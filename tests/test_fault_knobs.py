@@ -7,8 +7,8 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-import pd_harness as pd
 import pytest
+from testkit import pd_harness as pd
 
 from vllm_flagcx.connector import fault_knobs
 from vllm_flagcx.layout.regions import Region

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import peers
 import pytest
+from testkit import peers
 
 from vllm_flagcx.layout import plans, regions
 from vllm_flagcx.transport import flagcx as fx
@@ -206,8 +206,8 @@ def test_auto_picks_flagcx_only_when_the_library_loads(libs, monkeypatch):
 def test_connector_over_the_flagcx_binding(libs, monkeypatch, silent_loss):
     """FlagCXConnector's worker role with transport='flagcx' (the real binding over the
     stand-in engine): bytes arrive; a silent slice loss is caught by the integrity check."""
-    import pd_harness as pd
-    import vllm_harness as harness
+    from testkit import pd_harness as pd
+    from testkit import vllm_harness as harness
 
     if silent_loss:
         monkeypatch.setenv("FLAGCX_STANDIN_SILENT_SKIP", "1")

@@ -15,9 +15,9 @@ import time
 
 import httpx
 import msgspec
-import pd_harness as pd
-import router_standin as rs
 import zmq
+from testkit import pd_harness as pd
+from testkit import router_standin as rs
 
 from vllm_flagcx.router.app import build_app
 from vllm_flagcx.router.pool import Instance, Pool

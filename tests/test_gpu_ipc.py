@@ -7,8 +7,8 @@ Needs CUDA (skipped elsewhere; CI has no GPU). Run on the GPU machine with
 from __future__ import annotations
 
 import numpy as np
-import peers
 import pytest
+from testkit import peers
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,

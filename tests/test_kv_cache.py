@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import vllm_harness as harness
+from testkit import vllm_harness as harness
 
 from vllm_flagcx.compat import kv_cache
 from vllm_flagcx.compat.kv_cache import SpecKind

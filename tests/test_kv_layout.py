@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pd_harness as pd
 import pytest
 import torch
-import vllm_harness as harness
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
 
 from vllm_flagcx.compat import kv_layout
 from vllm_flagcx.layout.regions import RegionError

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import peers
 import pytest
+from testkit import peers
 
 from vllm_flagcx.layout import plans, regions
 from vllm_flagcx.transport.base import TransportError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import vllm_harness as harness
+from testkit import vllm_harness as harness
 
 from vllm_flagcx.compat import config, mamba
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pd_harness as pd
 import pytest
 import torch
-import vllm_harness as harness
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
 
 
 def _assert_attention_bytes_moved(p, d, records):

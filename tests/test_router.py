@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-import router_standin as rs
+from testkit import router_standin as rs
 
 from vllm_flagcx.router import cli
 from vllm_flagcx.router.app import build_app

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-import vllm_harness as harness
+from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector.settings import SettingsError, checked_extra_config
 

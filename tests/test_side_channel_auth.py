@@ -13,10 +13,10 @@ import threading
 
 import msgspec
 import numpy as np
-import pd_harness as pd
 import pytest
-import vllm_harness as harness
 import zmq
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector import integrity
 from vllm_flagcx.layout import plans

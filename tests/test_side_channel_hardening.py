@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 
 import msgspec
-import pd_harness as pd
-import vllm_harness as harness
 import zmq
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector import side_channel_server
 from vllm_flagcx.connector import worker as wk

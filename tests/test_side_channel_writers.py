@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 import time
 
-import pd_harness as pd
 import pytest
 import zmq
-from transport_standin import Faults
+from testkit import pd_harness as pd
+from testkit.transport_standin import Faults
 
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs

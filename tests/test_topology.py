@@ -58,7 +58,7 @@ def test_block_size_ratio():
 
 @pytest.fixture(scope="module")
 def attn_backend():
-    import vllm_harness as harness
+    from testkit import vllm_harness as harness
 
     from vllm_flagcx.compat import attention
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import router_standin as rs
+from testkit import router_standin as rs
 
 from vllm_flagcx.demo import model as demo_model
 from vllm_flagcx.demo import run as demo_run

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-import router_standin as rs
+from testkit import router_standin as rs
 
 from vllm_flagcx.demo import procs
 

@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flagcx_real
 import pytest
+from testkit import flagcx_real
 
 from vllm_flagcx.transport import flagcx as fx
 

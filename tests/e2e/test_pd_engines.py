@@ -142,7 +142,7 @@ def test_failed_receive_on_the_sliding_model_recomputes_the_right_answer_twice(p
     each answer is the monolithic one (vLLM frees the blocks and recomputes over a clean
     block table) and decode stays up (before: wrong text with HTTP 200, then vLLM's
     can_fit_full_sequence assertion killed decode)."""
-    import router_standin as rs
+    from testkit import router_standin as rs
 
     dead_port = rs.free_port()
     expected = {p: complete(pd.prefill.url, p).json()["choices"][0]["text"] for p in PROMPTS}

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import flagcx_real
+from testkit import flagcx_real
 
 PAST_THE_CHECK = """
 import sys, torch

@@ -24,9 +24,9 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SNAPSHOT = REPO / "third_party" / "flagcx" / "flagcx-src.tar.gz"
-DRIVER_STANDIN = Path(__file__).parent / "flagcx_standin" / "cuda_driver_standin.c"
+DRIVER_STANDIN = Path(__file__).resolve().parents[1] / "flagcx_standin" / "cuda_driver_standin.c"
 
 
 class BuildUnavailable(RuntimeError):

@@ -18,7 +18,7 @@ import torch
 
 from vllm_flagcx.compat import kv_cache
 
-MODELS = Path(__file__).parent / "models"
+MODELS = Path(__file__).resolve().parents[1] / "models"
 DENSE_MODEL = MODELS / "tiny-dense"
 HYBRID_MODEL = MODELS / "tiny-hybrid"
 CONNECTOR = "FlagCXConnector"

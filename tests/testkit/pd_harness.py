@@ -16,12 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import cpu_platform  # noqa: F401 - first: spawned prefill processes import this module
 import numpy as np
 import torch
-import vllm_harness as harness
-from transport_standin import Faults, MemmoveTransport
 
+from testkit import cpu_platform  # noqa: F401 - first: spawned prefill processes import this module
+from testkit import vllm_harness as harness
+from testkit.transport_standin import Faults, MemmoveTransport
 from vllm_flagcx.compat import kv_cache, kv_layout
 from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
@@ -315,7 +315,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                                     "lease_seconds": lease_seconds,
                                                     **({"transport": transport} if transport
                                                        else {"transport_factory":
-                                                             "transport_standin:factory"}),
+                                                             "testkit.transport_standin:factory"}),
                                                     **(extra or {})},
                                       prefix_caching=prefix_caching)
     # The instance's TP size as its scheduler sees it (no worker processes run here).
