@@ -18,28 +18,29 @@ from types import SimpleNamespace
 from typing import Any
 
 from benchmarks import layout as L
-from benchmarks import report
+from benchmarks import report, use_test_helpers
 from vllm_flagcx.layout import plans
 
 
 def nixl_planner(num_blocks: int, ratio: int) -> Any | None:
     """A callable planning one request with NIXL's code, or None when this vLLM has no
     NIXL connector of that shape."""
+    use_test_helpers()
     try:
         import torch
+        from testkit import vllm_builders
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
             NixlBaseConnectorWorker as W,
         )
-
-        from vllm_flagcx.compat import kv_cache as kvc
     except Exception:  # no NIXL connector in this vLLM: reported as "n/a"
         return None
     if not hasattr(W, "_compute_desc_ids") or not hasattr(W, "_logical_to_kernel_block_ids"):
         return None
-    fa = kvc.make_full_attention_spec(block_size=L.BLOCK_TOKENS, num_kv_heads=1,
-                                      head_size=256, dtype=torch.uint8)
-    gdn = kvc.make_mamba_spec(block_size=L.BLOCK_TOKENS, shapes=[(3, 1024), (4, 128, 128)],
-                              dtypes=[torch.bfloat16, torch.float32])
+    fa = vllm_builders.make_full_attention_spec(block_size=L.BLOCK_TOKENS, num_kv_heads=1,
+                                                head_size=256, dtype=torch.uint8)
+    gdn = vllm_builders.make_mamba_spec(block_size=L.BLOCK_TOKENS,
+                                        shapes=[(3, 1024), (4, 128, 128)],
+                                        dtypes=[torch.bfloat16, torch.float32])
     specs = [fa] + [gdn] * L.GDN_GROUPS
     me = SimpleNamespace(
         _has_mamba=True, _conv_decomp=SimpleNamespace(local_conv_offsets=[0, 1, 2]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from testkit import vllm_builders
 from testkit import vllm_harness as harness
 
 from vllm_flagcx.compat import kv_cache
@@ -12,12 +13,12 @@ from vllm_flagcx.compat.probe import resolve
 
 
 def test_spec_kinds():
-    full = kv_cache.make_full_attention_spec(block_size=16, num_kv_heads=2, head_size=64,
+    full = vllm_builders.make_full_attention_spec(block_size=16, num_kv_heads=2, head_size=64,
                                              dtype=torch.bfloat16)
-    swa = kv_cache.make_full_attention_spec(block_size=16, num_kv_heads=2, head_size=64,
+    swa = vllm_builders.make_full_attention_spec(block_size=16, num_kv_heads=2, head_size=64,
                                             dtype=torch.bfloat16, sliding_window=128)
-    mla = kv_cache.make_mla_spec(block_size=16, head_size=576, dtype=torch.bfloat16)
-    gdn = kv_cache.make_mamba_spec(block_size=16, shapes=((3, 256), (4, 32, 32)),
+    mla = vllm_builders.make_mla_spec(block_size=16, head_size=576, dtype=torch.bfloat16)
+    gdn = vllm_builders.make_mamba_spec(block_size=16, shapes=((3, 256), (4, 32, 32)),
                                    dtypes=(torch.bfloat16, torch.float32))
     assert [kv_cache.spec_kind(s) for s in (full, swa, mla, gdn)] == [
         SpecKind.FULL_ATTENTION, SpecKind.SLIDING_WINDOW, SpecKind.MLA, SpecKind.MAMBA]
@@ -33,7 +34,7 @@ def test_spec_kind_rejects_unknown():
 @pytest.mark.parametrize("name", ["mamba1", "mamba2", "short_conv", "linear_attention",
                                   "gdn_attention"])
 def test_mamba_type_round_trip(name, matrix_build):
-    spec = kv_cache.make_mamba_spec(block_size=16, shapes=((3, 8),), dtypes=(torch.float32,),
+    spec = vllm_builders.make_mamba_spec(block_size=16, shapes=((3, 8),), dtypes=(torch.float32,),
                                     mamba_type=name)
     assert kv_cache.mamba_type_name(spec) == name
     raw_is_str = type(spec.mamba_type) is str
@@ -44,7 +45,7 @@ def test_unknown_mamba_type_is_named(matrix_build):
     if matrix_build.profile["mamba_type"] == "str":
         pytest.skip("a str mamba_type accepts any name on this build")
     with pytest.raises(ValueError, match="mamba_type='rwkv'"):
-        kv_cache.make_mamba_spec(block_size=16, shapes=((3, 8),), dtypes=(torch.float32,),
+        vllm_builders.make_mamba_spec(block_size=16, shapes=((3, 8),), dtypes=(torch.float32,),
                                  mamba_type="rwkv")
 
 

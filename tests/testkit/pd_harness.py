@@ -19,7 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from testkit import cpu_platform  # noqa: F401 - first: spawned prefill processes import this module
+from testkit import (
+    cpu_platform,  # noqa: F401 - first: spawned prefill processes import this module
+    vllm_builders,
+)
 from testkit import vllm_harness as harness
 from testkit.transport_standin import Faults, MemmoveTransport
 from vllm_flagcx.compat import kv_cache, kv_layout
@@ -70,12 +73,12 @@ def rank_kv_cache_config(tp: int, num_blocks: int, repeats: int = 2,
                          conv_layout: str = "SD") -> Any:
     """The KVCacheConfig one TP rank of the tiny hybrid sees (heads and channels / tp)."""
     heads = max(1, KV_HEADS // tp)
-    attention = kv_cache.make_full_attention_spec(block_size=BLOCK, num_kv_heads=heads,
+    attention = vllm_builders.make_full_attention_spec(block_size=BLOCK, num_kv_heads=heads,
                                                   head_size=HEAD_DIM, dtype=torch.bfloat16)
     page = attention.page_size_bytes
     conv_dim = (2 * KEY_DIM + VALUE_DIM) // tp
     conv_shape = (CONV_WIDTH, conv_dim) if conv_layout == "SD" else (conv_dim, CONV_WIDTH)
-    gdn = kv_cache.make_mamba_spec(block_size=BLOCK,
+    gdn = vllm_builders.make_mamba_spec(block_size=BLOCK,
                                    shapes=(conv_shape,
                                            (SSM_HEADS // tp, SSM_DIM, SSM_DIM)),
                                    dtypes=(torch.bfloat16, torch.float32),
@@ -85,7 +88,7 @@ def rank_kv_cache_config(tp: int, num_blocks: int, repeats: int = 2,
     groups = [(layout.attention_layers, attention)] + [(n, gdn) for n in gdn_groups]
     tensors = [(page * num_blocks, [layout.attention_layers[r]] + [g[r] for g in gdn_groups])
                for r in range(repeats)]
-    return kv_cache.make_kv_cache_config(num_blocks=num_blocks, groups=groups, tensors=tensors)
+    return vllm_builders.make_kv_cache_config(num_blocks=num_blocks, groups=groups, tensors=tensors)
 
 
 DENSE_HEAD_DIM = 64
@@ -94,10 +97,10 @@ DENSE_HEAD_DIM = 64
 def dense_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2,
                                dtype: Any = torch.bfloat16) -> Any:
     heads = max(1, KV_HEADS // tp)
-    spec = kv_cache.make_full_attention_spec(block_size=BLOCK, num_kv_heads=heads,
+    spec = vllm_builders.make_full_attention_spec(block_size=BLOCK, num_kv_heads=heads,
                                              head_size=DENSE_HEAD_DIM, dtype=dtype)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return kv_cache.make_kv_cache_config(
+    return vllm_builders.make_kv_cache_config(
         num_blocks=num_blocks, groups=[(names, spec)],
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 
@@ -111,10 +114,10 @@ def sliding_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2) -> A
     heads = max(1, KV_HEADS // tp)
     common = dict(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM,
                   dtype=torch.bfloat16)
-    full = kv_cache.make_full_attention_spec(**common)
-    sliding = kv_cache.make_full_attention_spec(**common, sliding_window=SLIDING_WINDOW)
+    full = vllm_builders.make_full_attention_spec(**common)
+    sliding = vllm_builders.make_full_attention_spec(**common, sliding_window=SLIDING_WINDOW)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return kv_cache.make_kv_cache_config(
+    return vllm_builders.make_kv_cache_config(
         num_blocks=num_blocks, groups=[(names[:1], full), (names[1:], sliding)],
         tensors=[(full.page_size_bytes * num_blocks, [n]) for n in names])
 
@@ -124,9 +127,9 @@ MLA_HEAD = 576  # kv_lora_rank 512 + rope 64, DeepSeek-style latent
 
 def mla_rank_kv_cache_config(tp: int, num_blocks: int, layers: int = 2) -> Any:
     """MLA: every rank holds the whole latent (replicated across TP)."""
-    spec = kv_cache.make_mla_spec(block_size=BLOCK, head_size=MLA_HEAD, dtype=torch.bfloat16)
+    spec = vllm_builders.make_mla_spec(block_size=BLOCK, head_size=MLA_HEAD, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return kv_cache.make_kv_cache_config(
+    return vllm_builders.make_kv_cache_config(
         num_blocks=num_blocks, groups=[(names, spec)],
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_flagcx.compat import kv_cache
+from testkit import vllm_builders
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 DENSE_MODEL = MODELS / "tiny-dense"
@@ -94,12 +94,12 @@ def hybrid_kv_cache_config(layout: HybridLayout = HybridLayout()) -> Any:
     attention group, and each backing tensor is shared by one layer of every group. GDN
     pages are padded to the attention page size, conv state first, then ssm state.
     """
-    attention = kv_cache.make_full_attention_spec(
+    attention = vllm_builders.make_full_attention_spec(
         block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
         head_size=layout.head_size, dtype=torch.bfloat16)
     page = attention.page_size_bytes
     conv_dim, conv_width = 256, 3  # (k-1) x (2*key_dim + value_dim) per rank
-    gdn = kv_cache.make_mamba_spec(
+    gdn = vllm_builders.make_mamba_spec(
         block_size=layout.block_size,
         shapes=((conv_width, conv_dim), (4, 32, 32)),
         dtypes=(torch.bfloat16, torch.float32),
@@ -110,16 +110,16 @@ def hybrid_kv_cache_config(layout: HybridLayout = HybridLayout()) -> Any:
         (page * layout.num_blocks, [layout.attention_layers[r]] + [g[r] for g in gdn_groups])
         for r in range(layout.repeats)
     ]
-    return kv_cache.make_kv_cache_config(num_blocks=layout.num_blocks, groups=groups,
+    return vllm_builders.make_kv_cache_config(num_blocks=layout.num_blocks, groups=groups,
                                          tensors=tensors)
 
 
 def dense_kv_cache_config(num_blocks: int = 64, block_size: int = 16,
                           layers: int = 2) -> Any:
-    spec = kv_cache.make_full_attention_spec(block_size=block_size, num_kv_heads=2,
+    spec = vllm_builders.make_full_attention_spec(block_size=block_size, num_kv_heads=2,
                                              head_size=64, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return kv_cache.make_kv_cache_config(
+    return vllm_builders.make_kv_cache_config(
         num_blocks=num_blocks, groups=[(names, spec)],
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 

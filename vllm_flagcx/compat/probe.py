@@ -289,7 +289,7 @@ FEATURES: tuple[FeatureProbe, ...] = (
                  "get_kv_cache_layout() or CacheConfig.get_resolved_kv_cache_layout()"),
     FeatureProbe("kv_cache_tensor_layers", "kv_cache", _kv_cache_tensor_layers, True,
                  "KVCacheTensor.shared_by (<= 0.22) or .layers (0.34)"),
-    FeatureProbe("mamba_type", "kv_cache", _mamba_type, True,
+    FeatureProbe("mamba_type", "kv_cache", _mamba_type, False,
                  "MambaSpec.mamba_type as str (<= 0.20) or MambaAttentionBackendEnum (0.22+)"),
     FeatureProbe("unhashed_block_ids_all_groups", "blocks", _unhashed_all_groups, True,
                  "KVCacheBlocks (get_unhashed_block_ids_all_groups is computed where absent)"),
