@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.connector.entry import (
-    FlagCXConnector,
-    FlagCXWorkerMetadata,
-    load_factory,
-    transport_factory_path,
-)
+from vllm_flagcx.connector.entry import FlagCXConnector, FlagCXWorkerMetadata
+from vllm_flagcx.connector.transport_choice import load_factory, transport_factory_path
 
 
 def test_transport_factory_errors_name_the_key():

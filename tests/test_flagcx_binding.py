@@ -185,7 +185,7 @@ def test_write_failure_is_reported(libs, decode_process, monkeypatch):
 
 
 def test_auto_picks_flagcx_only_when_the_library_loads(libs, monkeypatch):
-    from vllm_flagcx.connector.entry import transport_factory_path
+    from vllm_flagcx.connector.transport_choice import transport_factory_path
 
     def extra(values):
         return lambda key, default=None: values.get(key, default)
@@ -200,6 +200,33 @@ def test_auto_picks_flagcx_only_when_the_library_loads(libs, monkeypatch):
     if not fx.rdma_devices():  # no RDMA device here: auto keeps the same-host transport
         no_rdma = extra({"flagcx_library": str(libs["good"])})
         assert transport_factory_path(no_rdma).endswith("local:create_transport")
+
+
+def test_the_library_is_loaded_once_for_choosing_and_creating(libs, monkeypatch):
+    """``transport: auto`` probes libflagcx, and ``create_transport`` then uses the same
+    load (it used to be loaded and checked twice)."""
+    from types import SimpleNamespace
+
+    from vllm_flagcx.connector.transport_choice import flagcx_available
+
+    loads = []
+    real_init = fx.FlagCXLibrary.__init__
+
+    def counting_init(self, path):
+        loads.append(path)
+        real_init(self, path)
+
+    monkeypatch.setattr(fx, "_LOADED", {})
+    monkeypatch.setattr(fx.FlagCXLibrary, "__init__", counting_init)
+    assert flagcx_available(str(libs["good"]), rdma_check=False)
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={
+        "flagcx_library": str(libs["good"]), "flagcx_rdma_check": False}))
+    transport = fx.create_transport(config, 0)
+    assert transport.library is fx.load_library(libs["good"])
+    assert len(loads) == 1
+    with pytest.raises(fx.FlagCXLoadError):
+        fx.load_library(libs["good"].parent / "missing.so")
+    assert libs["good"].parent / "missing.so" not in fx._LOADED
 
 
 @pytest.mark.parametrize("silent_loss", [False, True])

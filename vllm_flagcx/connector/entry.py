@@ -10,7 +10,6 @@ caches are registered.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from typing import Any
@@ -46,15 +45,10 @@ from vllm_flagcx.connector.settings import (
     ConnectorSettings,
     SettingsError,
 )
+from vllm_flagcx.connector.transport_choice import load_factory, transport_factory_path
 from vllm_flagcx.wire import auth
 
 logger = logging.getLogger("vllm_flagcx")
-
-TRANSPORTS = {
-    "flagcx": "vllm_flagcx.transport.flagcx:create_transport",
-    "local": "vllm_flagcx.transport.local:create_transport",
-}
-
 
 class FlagCXConnectorMetadata(KVConnectorMetadata):
     """Per-step scheduler -> worker metadata: what to receive, send and release."""
@@ -97,55 +91,6 @@ def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[st
     logger.info("FlagCXConnector: vLLM %s (vendor %s), HMA %s, conv layout %s, KV cache "
                 "groups %s, engine %s", v.raw, vendor, hma_state(vllm_config),
                 compat_mamba.conv_state_layout(), group_kinds, engine_id)
-
-
-def flagcx_available(configured_library: str | None = None, rdma_check: bool = True
-                     ) -> bool:
-    """True when libflagcx is configured, loads with every symbol the binding calls, and
-    (``rdma_check``) this host has an RDMA device for its P2P engine."""
-    from vllm_flagcx.transport.flagcx import (
-        FlagCXLibrary,
-        FlagCXLoadError,
-        library_path,
-        require_rdma_device,
-    )
-
-    try:
-        FlagCXLibrary(library_path(configured_library))
-        if rdma_check:
-            require_rdma_device()
-    except FlagCXLoadError:
-        return False
-    return True
-
-
-def transport_factory_path(extra: Any) -> str:
-    """``transport_factory`` if given, else the factory of ``transport`` (flagcx | local |
-    auto; auto = flagcx when libflagcx loads, else the same-host transport)."""
-    explicit = extra("transport_factory")
-    if explicit:
-        return str(explicit)
-    name = str(extra("transport", "auto"))
-    if name == "auto":
-        name = ("flagcx" if flagcx_available(extra("flagcx_library"),
-                                             bool(extra("flagcx_rdma_check", True)))
-                else "local")
-    if name not in TRANSPORTS:
-        raise ValueError(f"kv_connector_extra_config.transport={name!r} is unknown; use one "
-                         f"of {sorted(TRANSPORTS)} or 'auto'")
-    return TRANSPORTS[name]
-
-
-def load_factory(path: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"kv_connector_extra_config.transport_factory={path!r} must be "
-                         "'module:callable'")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"kv_connector_extra_config.transport_factory={path!r} cannot be "
-                         f"loaded ({exc}); name an importable 'module:callable'") from exc
 
 
 class FlagCXConnector(PortableConnectorBase):

@@ -261,11 +261,26 @@ class FlagCXTransport(Transport):
             self.engine = None
 
 
+_LOADED: dict[Path, FlagCXLibrary] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def load_library(path: Path) -> FlagCXLibrary:
+    """The library at ``path``, loaded and checked once per process: choosing a transport
+    (``transport: auto`` probes it) and creating one share the same load. A failed load is
+    not remembered, so a fixed path works on the next call."""
+    key = Path(path).resolve()
+    with _LOAD_LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = FlagCXLibrary(key)
+        return _LOADED[key]
+
+
 def create_transport(vllm_config: Any, tp_rank: int) -> FlagCXTransport:
     """``transport_factory`` entry (``transport: flagcx``); loads the library now."""
     extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
                     "kv_connector_extra_config", None) or {}
-    library = FlagCXLibrary(library_path(extra.get("flagcx_library")))
+    library = load_library(library_path(extra.get("flagcx_library")))
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
     check = str(extra.get("flagcx_rdma_check", True)).lower() != "false"
     return FlagCXTransport(library, str(extra.get("side_channel_host", "127.0.0.1")),
