@@ -6,7 +6,7 @@ Release is acknowledged only once no write into its blocks is in flight** (``_ha
 defers it while ``_Armed.writes`` > 0; ``_finish_pull`` acknowledges it), because decode
 frees and reuses those blocks as soon as it has the acknowledgement. Every pull is checked
 before bytes move: its fields (``pull_problem``), the receiver's regions pinned per
-incarnation (``_receiver_sheet``), each descriptor against registered memory
+incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
 (``plans.check_within``), and the transfer's first puller (``_Armed.receiver``).
 
 A mixin of ``worker.WorkerHalf``: the state it uses (``settings``, ``transport``,
@@ -25,57 +25,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
+from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.scheduler import SendTask
 from vllm_flagcx.layout import plans
-from vllm_flagcx.layout.regions import Region, Section, storage_spans
 from vllm_flagcx.wire import auth
 from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
-MAX_TP = 1024
 MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
 MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
-
-
-def pull_problem(pull: hs.PullRequest, num_groups: int) -> str:
-    """What makes a pull unservable before any plan is made ("" when nothing): the
-    receiver's TP rank and size, the group count and the block ids it names (a pull
-    crosses a process boundary: its fields are untrusted)."""
-    sheet = pull.sheet
-    if not 1 <= sheet.tp_size <= MAX_TP or not 0 <= sheet.tp_rank < sheet.tp_size:
-        return (f"receiver tp_rank {sheet.tp_rank} / tp_size {sheet.tp_size} is not a TP "
-                "position")
-    if len(pull.block_ids) != num_groups:
-        return f"{len(pull.block_ids)} block-id groups named, this model has {num_groups}"
-    if pull.offsets and len(pull.offsets) != num_groups:
-        return f"{len(pull.offsets)} offsets named, this model has {num_groups} groups"
-    if any(b < 0 or b >= 1 << 31 for group in pull.block_ids for b in group):
-        return "a block id outside 0 .. 2**31"
-    return ""
-
-
-def _from_info(info: hs.RegionInfo) -> Region:
-    return Region(info.name, info.layer, info.group, info.kind, info.base, info.block_stride,
-                  info.num_blocks, info.block_bytes,
-                  tuple(Section(*msgspec.structs.astuple(s)) for s in info.sections))
-
-
-@dataclass(frozen=True)
-class _Receiver:
-    """A decode rank as its incarnation's first pull named it: its sheet (regions and the
-    process written into), the request-independent plan table to it, and the storages
-    every descriptor must write inside."""
-
-    sheet: hs.FactSheet
-    table: plans.PlanTable
-    spans: list[tuple[int, int]]
 
 
 @dataclass
@@ -273,7 +236,7 @@ class SideChannelServer:
         started = time.monotonic()
         try:
             hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
-            receiver = self._receiver(pull.sheet)
+            receiver = self._receivers.get(pull.sheet, self.regions)
             plan = receiver.table.plan(
                 armed.task.block_ids, pull.block_ids, self.kernel_ratios or None,
                 list(pull.offsets) or None)
@@ -308,31 +271,6 @@ class SideChannelServer:
         self._finish_pull(armed, pull, failed=False)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc)
-
-    def _receiver(self, sheet: hs.FactSheet) -> _Receiver:
-        """The receiver as its incarnation's first pull named it, built once (as NIXL
-        builds its descriptor lists at the handshake, so a pull only computes block
-        addresses); a later pull that names other regions or another transport is
-        refused (HandshakeError). Kept per incarnation: a restarted decode has a new one."""
-        key = (sheet.incarnation, sheet.tp_rank)
-        with self._lock:
-            known = self._receivers.get(key)
-        if known is None:
-            pair = plans.RankPair(self.settings.tp_rank, self.settings.tp_size,
-                                  sheet.tp_rank, sheet.tp_size)
-            regions = [_from_info(r) for r in sheet.regions]
-            built = _Receiver(sheet, plans.build_table(
-                self.regions, regions, pair, num_groups=len(self.settings.layout.block_sizes)),
-                storage_spans(regions))
-            with self._lock:
-                if len(self._receivers) >= 256:  # decode restarts: drop the stale ones
-                    self._receivers.clear()
-                known = self._receivers.setdefault(key, built)
-        if known.sheet != sheet:
-            raise hs.HandshakeError(f"receiver incarnation {sheet.incarnation!r} rank "
-                                    f"{sheet.tp_rank} names other regions or another "
-                                    "transport than at its first pull")
-        return known
 
     def _connection(self, sheet: hs.FactSheet) -> object:
         with self._connect_lock:  # writer threads: one connect per receiver

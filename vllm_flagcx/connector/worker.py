@@ -34,14 +34,11 @@ from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread
 from vllm_flagcx.connector.ledger import STAGES, FailureLedger, _delta
 from vllm_flagcx.connector.puller import Puller
+from vllm_flagcx.connector.receivers import ReceiverCache
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload
-from vllm_flagcx.connector.side_channel_server import (  # noqa: F401 (re-exported)
-    MAX_PARKED_PULLS,
+from vllm_flagcx.connector.side_channel_server import (
     SideChannelServer,
     _Armed,
-    _from_info,
-    _Receiver,
-    pull_problem,
 )
 from vllm_flagcx.layout.regions import Region, Section, storage_spans
 from vllm_flagcx.transport.base import Transport
@@ -135,7 +132,8 @@ class WorkerHalf(SideChannelServer, Puller):
         self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
         # (incarnation, rank) -> the receiver as its first pull named it, with its plans
-        self._receivers: dict[tuple[str, int], _Receiver] = {}
+        self._receivers = ReceiverCache(settings.tp_rank, settings.tp_size,
+                                        len(settings.layout.block_sizes))
         # Transfers that ended here (released, expired): a late pull for one is answered
         # at once. Before, it waited a lease for an id that would never be armed (a
         # sibling decode rank failed and released: the other rank waited ~30 s).
