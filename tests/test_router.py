@@ -16,8 +16,9 @@ from testkit import router_standin as rs
 
 from vllm_flagcx.router import cli
 from vllm_flagcx.router.app import build_app
+from vllm_flagcx.router.legs import RouterSettings, prefill_body
 from vllm_flagcx.router.pool import Instance, Pool, RouterConfigError, parse_instance
-from vllm_flagcx.router.proxy import Proxy, RouterSettings, prefill_body
+from vllm_flagcx.router.proxy import Proxy
 
 BODY = {"model": "demo", "prompt": "100 + 100 =", "max_tokens": 8, "temperature": 0,
         "stop": ["\n"]}

@@ -111,17 +111,17 @@ def assert_corrupted_kv_changes_the_answer(d: Deployment, prompts: tuple[str, ..
     greedy answer must then differ from the monolithic one, or the request fail. If it
     still matched, PD == monolithic could not tell right KV from wrong."""
     from vllm_flagcx.connector.fault_knobs import FAULTS, PARAM
-    from vllm_flagcx.router import proxy
+    from vllm_flagcx.router import legs
 
     for fault in FAULTS:
         for i, prompt in enumerate(prompts):
             body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0}
             expected = complete(d.prefill.url, prompt).json()["choices"][0]["text"]
             leg = httpx.post(d.prefill.url + "/v1/completions", timeout=120,
-                             json=proxy.prefill_body(body, f"negative-{fault}-{i}"))
+                             json=legs.prefill_body(body, f"negative-{fault}-{i}"))
             params = {**leg.json()["kv_transfer_params"], PARAM: fault}
             r = httpx.post(d.decode.url + "/v1/completions", timeout=120,
-                           json=proxy.decode_body(body, params))
+                           json=legs.decode_body(body, params))
             if r.status_code == 200:
                 assert r.json()["choices"][0]["text"] != expected, (
                     f"{fault}: decode gave the monolithic answer on wrong KV for "

@@ -29,7 +29,7 @@ from engines import (
 )
 
 from vllm_flagcx.demo import servers as sv
-from vllm_flagcx.router import proxy
+from vllm_flagcx.router import legs
 
 pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
                                 reason="needs the e2e env (a CPU build of vLLM)")
@@ -111,14 +111,14 @@ def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd, capsy
     expected = complete(pd.prefill.url, prompt).json()["choices"][0]["text"]
     body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0}
     leg = httpx.post(pd.prefill.url + "/v1/completions", timeout=120,
-                     json=proxy.prefill_body(body, "e2e-orphaned-kv"))
+                     json=legs.prefill_body(body, "e2e-orphaned-kv"))
     params = leg.json()["kv_transfer_params"]
     assert params and params["do_remote_prefill"], leg.text
     failed_before = failures(pd.decode)
     pd.prefill.kill()
     started = time.monotonic()
     r = httpx.post(pd.decode.url + "/v1/completions", timeout=120,
-                   json=proxy.decode_body(body, params))
+                   json=legs.decode_body(body, params))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected  # recomputed on decode, not garbage
     took = time.monotonic() - started

@@ -15,7 +15,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_flagcx.router.proxy import LegError, Proxy
+from vllm_flagcx.router.legs import LegError
+from vllm_flagcx.router.proxy import Proxy
 
 DISCONNECT_POLL_S = 0.2
 MAX_JSON_DEPTH = sys.getrecursionlimit()

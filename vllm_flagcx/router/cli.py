@@ -39,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
 def build(args: argparse.Namespace):
     """The FastAPI app for parsed arguments (RouterConfigError names a bad flag)."""
     from vllm_flagcx.router.app import build_app
-    from vllm_flagcx.router.proxy import Proxy, RouterSettings
+    from vllm_flagcx.router.legs import RouterSettings
+    from vllm_flagcx.router.proxy import Proxy
 
     prefill = Pool("prefill", [parse_instance(s, "prefill") for s in args.prefill])
     decode = Pool("decode", [parse_instance(s, "decode") for s in args.decode])

@@ -22,85 +22,23 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from vllm_flagcx.router.legs import (
+    LegError,
+    RouterSettings,
+    decode_body,
+    prefill_body,
+    sse_error,
+    upstream_error,
+)
 from vllm_flagcx.router.pool import Instance, Pool, RouterConfigError
 from vllm_flagcx.wire import params as params_schema
 
 logger = logging.getLogger("vllm_flagcx.router")
-
-# Sampling fields that could end the prefill leg early (before its one token is length
-# capped), which would leave prefill holding nothing for decode.
-_PREFILL_DROPS = ("stop", "stop_token_ids", "stream_options", "min_tokens", "n", "best_of")
-
-
-class LegError(Exception):
-    """A leg that failed; ``status`` and ``detail`` become the client's HTTP error."""
-
-    def __init__(self, status: int, leg: str, instance: str, message: str,
-                 upstream: Any = None) -> None:
-        super().__init__(message)
-        self.status, self.leg, self.instance, self.upstream = status, leg, instance, upstream
-
-    def body(self) -> dict[str, Any]:
-        error = {"message": f"{self.leg} {self.instance}: {self}", "type": f"{self.leg}_error",
-                 "code": self.status}
-        if self.upstream is not None:
-            error["upstream"] = self.upstream
-        return {"error": error}
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    mode: str = "sequential"  # or "concurrent"
-    connect_timeout: float = 10.0
-    prefill_timeout: float = 600.0  # whole prefill leg
-    decode_timeout: float = 600.0  # between two bytes of the decode answer
-    release_timeout: float = 2.0
-    key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("sequential", "concurrent"):
-            raise RouterConfigError(f"--mode {self.mode!r}: use sequential or concurrent")
-        for name in ("connect_timeout", "prefill_timeout", "decode_timeout",
-                     "release_timeout"):
-            if getattr(self, name) <= 0:
-                raise RouterConfigError(f"--{name.replace('_', '-')} must be > 0")
-
-
-def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """The prefill leg's request: one token, not streamed, always length capped."""
-    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out["ignore_eos"] = True  # an EOS first token must not end it as "stopped"
-    out["kv_transfer_params"] = params_schema.prefill_leg_params(transfer_id)
-    return out
-
-
-def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
-    out = dict(body)
-    out.pop("kv_transfer_params", None)
-    if params:
-        out["kv_transfer_params"] = params
-    return out
-
-
-def _upstream_error(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return response.text[:2000]
-
-
-def sse_error(error: LegError) -> bytes:
-    return f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
-
 
 class Proxy:
     """Routes requests over a prefill pool and a decode pool; keeps the counters."""
@@ -145,7 +83,7 @@ class Proxy:
             instance.failed += 1
             raise LegError(response.status_code, "prefill", instance.url,
                            f"answered HTTP {response.status_code}",
-                           _upstream_error(response))
+                           upstream_error(response))
         instance.served += 1
         params = response.json().get("kv_transfer_params")
         if not params:
@@ -214,7 +152,7 @@ class Proxy:
                     await response.aclose()
                 raise LegError(response.status_code, "decode", instance.url,
                                f"answered HTTP {response.status_code}",
-                               _upstream_error(response))
+                               upstream_error(response))
             handed_over = True
             return instance, response
         finally:

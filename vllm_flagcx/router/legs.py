@@ -1,0 +1,88 @@
+"""What each leg of a disaggregated request is sent, how the router is set, and how a failed
+leg reaches the client (an HTTP error, or the last events of a stream, naming the leg and the
+instance). Pure: no network here; ``proxy`` runs the legs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from vllm_flagcx.router.pool import RouterConfigError
+from vllm_flagcx.wire import params as params_schema
+
+# Sampling fields that could end the prefill leg early (before its one token is length
+# capped), which would leave prefill holding nothing for decode.
+_PREFILL_DROPS = ("stop", "stop_token_ids", "stream_options", "min_tokens", "n", "best_of")
+
+
+class LegError(Exception):
+    """A leg that failed; ``status`` and ``detail`` become the client's HTTP error."""
+
+    def __init__(self, status: int, leg: str, instance: str, message: str,
+                 upstream: Any = None) -> None:
+        super().__init__(message)
+        self.status, self.leg, self.instance, self.upstream = status, leg, instance, upstream
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": f"{self.leg} {self.instance}: {self}", "type": f"{self.leg}_error",
+                 "code": self.status}
+        if self.upstream is not None:
+            error["upstream"] = self.upstream
+        return {"error": error}
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    mode: str = "sequential"  # or "concurrent"
+    connect_timeout: float = 10.0
+    prefill_timeout: float = 600.0  # whole prefill leg
+    decode_timeout: float = 600.0  # between two bytes of the decode answer
+    release_timeout: float = 2.0
+    key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sequential", "concurrent"):
+            raise RouterConfigError(f"--mode {self.mode!r}: use sequential or concurrent")
+        for name in ("connect_timeout", "prefill_timeout", "decode_timeout",
+                     "release_timeout"):
+            if getattr(self, name) <= 0:
+                raise RouterConfigError(f"--{name.replace('_', '-')} must be > 0")
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill leg's request: one token, not streamed, always length capped."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["ignore_eos"] = True  # an EOS first token must not end it as "stopped"
+    out["kv_transfer_params"] = params_schema.prefill_leg_params(transfer_id)
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg's request: the client's own, with prefill's ``kv_transfer_params``."""
+    out = dict(body)
+    out.pop("kv_transfer_params", None)
+    if params:
+        out["kv_transfer_params"] = params
+    return out
+
+
+def upstream_error(response: httpx.Response) -> Any:
+    """An upstream's error body as the client will see it (JSON, else the start of the
+    text)."""
+    try:
+        return response.json()
+    except ValueError:
+        return response.text[:2000]
+
+
+def sse_error(error: LegError) -> bytes:
+    """A failed leg as the last events of a stream the client already receives."""
+    return f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
