@@ -166,3 +166,25 @@ def side_channel() -> Iterator[tuple[int, list[Any]]]:
         thread.join(5)
         sock.close()
         context.term()
+
+
+BODY = {"model": "demo", "prompt": "100 + 100 =", "max_tokens": 8, "temperature": 0,
+        "stop": ["\n"]}
+
+
+@contextlib.contextmanager
+def router(prefills: list[Any], decodes: list[Any], **settings: Any
+           ) -> Iterator[tuple[str, Any]]:
+    """The REAL router (``vllm_flagcx.router``) in front of stand-in upstreams: its URL and
+    its ``Proxy``."""
+    from vllm_flagcx.router.app import build_app
+    from vllm_flagcx.router.legs import RouterSettings
+    from vllm_flagcx.router.pool import Instance, Pool
+    from vllm_flagcx.router.proxy import Proxy
+
+    proxy = Proxy(Pool("prefill", [Instance(u.url, "prefill", getattr(u, "side", None))
+                                   for u in prefills]),
+                  Pool("decode", [Instance(u.url, "decode") for u in decodes]),
+                  RouterSettings(**settings))
+    with serving(build_app(proxy)) as port:
+        yield f"http://127.0.0.1:{port}", proxy

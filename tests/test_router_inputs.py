@@ -1,0 +1,112 @@
+"""The router's input: bodies it cannot forward (400s naming why), its flags and secret, the
+design note's launch script."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from testkit import router_standin as rs
+from testkit.router_standin import router
+
+from vllm_flagcx.router import cli
+from vllm_flagcx.router.legs import prefill_body
+from vllm_flagcx.router.pool import RouterConfigError, parse_instance
+
+
+def test_bad_body_is_a_400():
+    with rs.upstream("prefill") as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, _):
+        r = httpx.post(url + "/v1/completions", content=b"not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b'{"prompt": "x", "stream": "false"}', "stream must be true or false"),
+    (b'{"prompt": "x", "stream": 0}', "stream must be true or false"),
+    (b'{"prompt": "x", "temperature": NaN}', "NaN is not JSON"),
+    (b'{"prompt": "x", "temperature": -Infinity}', "-Infinity is not JSON"),
+    (b'{"prompt": "\\ud800"}', "lone UTF-16 surrogate"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
+    (b"\xff\xfe", "not UTF-8|must be JSON"),
+    (b"[1, 2]", "JSON object"),
+])
+def test_bodies_the_router_cannot_forward_are_a_400_naming_why(raw, match):
+    with rs.upstream("prefill") as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, proxy):
+        r = httpx.post(url + "/v1/completions", content=raw, timeout=20)
+    assert r.status_code == 400, r.text
+    assert re.search(match, r.json()["error"]["message"]), r.text
+    assert not p.seen and not d.seen
+    assert proxy.counters["bad_requests"] == 1 and not proxy.counters["client_disconnects"]
+
+
+def test_router_takes_the_side_channel_secret_and_refuses_a_short_one(tmp_path,
+                                                                      monkeypatch):
+    from vllm_flagcx.wire import auth
+
+    args = ["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]
+    monkeypatch.setenv(auth.SECRET_ENV, "s" * 24)
+    assert cli.build(cli.parser().parse_args(args)) is not None
+    short = tmp_path / "secret"
+    short.write_text("short")
+    with pytest.raises(RouterConfigError, match="--side-channel-secret-file"):
+        cli.build(cli.parser().parse_args([*args, "--side-channel-secret-file", str(short)]))
+
+
+@pytest.mark.parametrize("spec, match", [
+    (["127.0.0.1:8000"], "scheme, host and port"),
+    (["http://127.0.0.1"], "scheme, host and port"),
+    (["http://127.0.0.1:8000", "x"], "SIDE_CHANNEL_PORT"),
+    (["http://127.0.0.1:8000", "1", "2"], "URL \\[SIDE_CHANNEL_PORT\\]"),
+])
+def test_bad_instance_flags_are_named(spec, match):
+    with pytest.raises(RouterConfigError, match=match):
+        parse_instance(spec, "prefill")
+
+
+def test_cli_rejects_missing_pools_and_concurrent_without_ports(capsys):
+    assert cli.main(["--decode", "http://127.0.0.1:2"]) == 2
+    assert "--prefill" in capsys.readouterr().out
+    assert cli.main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                     "--mode", "concurrent"]) == 2
+    assert "SIDE_CHANNEL_PORT" in capsys.readouterr().out
+
+
+def test_prefill_body_keeps_chat_limits_at_one():
+    out = prefill_body({"messages": [], "max_completion_tokens": 50, "n": 2,
+                        "stream_options": {"include_usage": True}, "stream": True}, "t")
+    assert out["max_completion_tokens"] == 1 and out["max_tokens"] == 1
+    assert "n" not in out and "stream_options" not in out and out["stream"] is False
+
+
+def test_design_note_router_script_takes_its_flags(tmp_path):
+    """examples/disaggregated_serving_xpyd/router.py with the design note's flags serves,
+    and /health names the prefill and decode instances it was given."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples/disaggregated_serving_xpyd/router.py"
+    port, p_port, d_port = rs.free_port(), rs.free_port(), rs.free_port()
+    proc = subprocess.Popen([sys.executable, str(script), "--host", "127.0.0.1", "--port",
+                             str(port), "--prefill", f"http://127.0.0.1:{p_port}", "8998",
+                             "--decode", f"http://127.0.0.1:{d_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "router.py exited"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "router.py did not serve within 60 s"
+                time.sleep(0.3)
+        assert r.status_code == 503  # nothing listens behind it
+        assert f"127.0.0.1:{p_port}" in r.text or f"127.0.0.1:{d_port}" in r.text
+    finally:
+        proc.terminate()
+        proc.wait(20)
