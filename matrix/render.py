@@ -130,12 +130,14 @@ def render_tox() -> str:
         "",
         "[testenv:lint]",
         "description = ruff over the package, matrix, tests, benchmarks and examples; mypy "
-        "over vllm_flagcx.layout and vllm_flagcx.wire",
+        "over vllm_flagcx.layout and vllm_flagcx.wire; every file's maintainability index "
+        f">= {settings['mi_floor']} (radon)",
         "env_dir = {work_dir}/lint",
         "skip_install = true",
         "deps =",
         f"    ruff=={settings['ruff_version']}",
         f"    mypy=={settings['mypy_version']}",
+        f"    radon=={settings['radon_version']}",
         "    msgspec",
         "    numpy",
         "    pyzmq",
@@ -144,6 +146,8 @@ def render_tox() -> str:
         "    ruff check vllm_flagcx matrix tests benchmarks examples",
         "    mypy --python-version 3.10 --ignore-missing-imports --follow-imports=silent "
         "vllm_flagcx/layout vllm_flagcx/wire",
+        f"    python .ci/mi_floor.py {settings['mi_floor']} vllm_flagcx matrix tests benchmarks "
+        "examples .ci",
         "",
     ]
     return "\n".join(lines)

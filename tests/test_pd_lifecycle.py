@@ -65,11 +65,6 @@ def _check_bytes(p, d, records, conv_layout):
     return checked
 
 
-def _assert_empty(inst):
-    assert not inst.scheduler.has_requests()
-    assert harness.blocks_in_use(inst.scheduler) == 0
-
-
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4)])
 @pytest.mark.parametrize("conv_layout", ["SD", "DS"])
 def test_hybrid_pd_bytes_equal(p_tp, d_tp, conv_layout):
@@ -83,8 +78,8 @@ def test_hybrid_pd_bytes_equal(p_tp, d_tp, conv_layout):
         assert _check_bytes(p, d, records, conv_layout) > 0
         finished = pd.finished_ids(d)
         assert {r["d_req"] for r in records.values()} <= set(finished)
-        _assert_empty(p)
-        _assert_empty(d)
+        pd.assert_idle(p)
+        pd.assert_idle(d)
         assert sum(w.stats["send_bytes"] for w in p.workers) > 0
         assert all(w.ledger.counts == {} for w in p.workers + d.workers)
     finally:
@@ -148,8 +143,8 @@ def test_every_fault_ends_every_request(name):
     try:
         finished = pd.finished_ids(d)
         assert {r["d_req"] for r in records.values()} <= set(finished), name
-        _assert_empty(p)
-        _assert_empty(d)
+        pd.assert_idle(p)
+        pd.assert_idle(d)
         failures = sum(sum(w.ledger.counts.values()) for w in d.workers)
         assert failures == len(records), (name, [w.ledger.counts for w in d.workers])
         if name == "reply_lost_in_time":  # failed only after P's late write had landed
@@ -182,8 +177,8 @@ def test_decode_abort_before_kv_releases_prefill_blocks():
         d.scheduler.add_request(req)
         d.scheduler.finish_requests(req.request_id, pd.aborted())
         pd.settle(p, d, timeout=10)
-        _assert_empty(p)
-        _assert_empty(d)
+        pd.assert_idle(p)
+        pd.assert_idle(d)
         assert sum(w.stats["expired_leases"] for w in p.workers) == 0  # released, not expired
     finally:
         p.shutdown()
@@ -209,8 +204,8 @@ def test_decode_abort_during_write_holds_blocks_until_no_write_in_flight():
         d.step()
         assert harness.blocks_in_use(d.scheduler) > 0  # held: a write may still land
         pd.settle(p, d, timeout=10)
-        _assert_empty(p)
-        _assert_empty(d)
+        pd.assert_idle(p)
+        pd.assert_idle(d)
     finally:
         p.shutdown()
         d.shutdown()
@@ -237,7 +232,7 @@ def test_prefill_gone_after_prefill_fails_the_pull_at_once_not_after_the_timeout
             time.sleep(0.002)
         elapsed = time.monotonic() - started
         assert req.request_id in pd.finished_ids(d)  # recomputed, not lost
-        _assert_empty(d)
+        pd.assert_idle(d)
         [(_, stage, _, error)] = [e for w in d.workers for e in w.ledger.recent]
         assert stage == "recv" and "refuses connections" in error, error
         assert "did not confirm" not in error  # a gone writer writes nothing more
@@ -247,84 +242,3 @@ def test_prefill_gone_after_prefill_fails_the_pull_at_once_not_after_the_timeout
         d.shutdown()
 
 
-@pytest.mark.parametrize("transport", [None, "local"], ids=["standin", "local"])
-@pytest.mark.parametrize("model", ["hybrid", "dense"])
-def test_through_the_entry_class_worker_role(model, transport):
-    """FlagCXConnector's own worker role (register_kv_caches, start_load_kv, get_finished /
-    get_transfer_results, worker meta) driven in the model runner's order, over the
-    stand-in and over the product's same-host transport (process_vm_writev)."""
-    port = pd.free_port()
-    p = pd.build_instance("kv_producer", 1, port, model=model, via_entry=True,
-                          transport=transport)
-    d = pd.build_instance("kv_consumer", 1, port + 5, model=model, via_entry=True,
-                          transport=transport)
-    try:
-        records = pd.run_pd(p, d, prompts=[37, 19])
-        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
-        for rec in records.values():
-            send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
-            recv = d.recv_tasks[rec["d_req"]]
-            layer = p.ranks[0].config.kv_cache_groups[0].layer_names[0]
-            for pb, db in zip(send.block_ids[0], recv.block_ids[0], strict=True):
-                np.testing.assert_array_equal(pd.attention_block_bytes(d, layer, db),
-                                              pd.attention_block_bytes(p, layer, pb))
-        _assert_empty(p)
-        _assert_empty(d)
-        stats = p.entry.connectors[0].get_kv_connector_stats()
-        assert stats is not None and stats.reduce()["send_bytes"] > 0
-    finally:
-        p.shutdown()
-        d.shutdown()
-
-
-def test_registration_failure_is_a_clear_startup_error():
-    from vllm_flagcx.transport.base import TransportError
-
-    with pytest.raises(TransportError, match=r"register\(0x[0-9a-f]+, \d+\) refused"):
-        pd.build_instance("kv_producer", 1, pd.free_port(), faults=pd.Faults(fail_register=True))
-
-
-@pytest.mark.parametrize("model", ["dense", "hybrid"])
-def test_prefill_and_decode_in_two_processes_over_the_local_transport(model):
-    """P and D as separate processes: the same-host transport writes across them."""
-    import multiprocessing as mp
-
-    port = pd.free_port()
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=pd.prefill_process,
-                       args=(child, port, model, [37, 18], "local"), daemon=True)
-    proc.start()
-    d = None
-    try:
-        assert conn.poll(180), "prefill process did not start"
-        records = conn.recv()
-        d = pd.build_instance("kv_consumer", 1, port + 5, model=model, via_entry=True,
-                              transport="local")
-        for rec in records.values():
-            req = harness.make_request(rec["tokens"], max_tokens=3,
-                                       kv_transfer_params=dict(rec["params"]))
-            d.scheduler.add_request(req)
-            rec["d_req"] = req.request_id
-        deadline = time.monotonic() + 60
-        while pd.busy(d) and time.monotonic() < deadline:
-            d.step()
-            time.sleep(0.002)
-        conn.send("stop")
-        assert conn.poll(60)
-        sent, p_busy = conn.recv()
-        assert not p_busy  # prefill freed everything after the pulls
-        _assert_empty(d)
-        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
-        for rec in records.values():
-            recv = d.recv_tasks[rec["d_req"]]
-            for layer, blocks in sent[rec["p_req"]].items():
-                got = [pd.attention_block_bytes(d, layer, b).tobytes()
-                       for b in recv.block_ids[0]]
-                assert got == blocks
-    finally:
-        if d is not None:
-            d.shutdown()
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()

@@ -155,3 +155,22 @@ def prefill_process(conn: Any, port: int, model: str, prompts: list[int],
         conn.send((sent, busy(p)))
     finally:
         p.shutdown()
+
+
+def assert_idle(inst: Instance) -> None:
+    """No request left in the instance's scheduler and every KV block free."""
+    assert not inst.scheduler.has_requests()
+    assert harness.blocks_in_use(inst.scheduler) == 0
+
+
+def assert_attention_bytes_moved(p: Instance, d: Instance, records: dict[str, Any]) -> None:
+    """Every layer's K/V bytes of each request's blocks on decode equal prefill's (one
+    attention group)."""
+    for rec in records.values():
+        send = next(t for t in p.send_tasks.values() if t.request_id == rec["p_req"])
+        recv = d.recv_tasks[rec["d_req"]]
+        for layer in p.ranks[0].config.kv_cache_groups[0].layer_names:
+            for pb, db in zip(send.block_ids[0][-len(recv.block_ids[0]):],
+                              recv.block_ids[0], strict=True):
+                np.testing.assert_array_equal(attention_block_bytes(d, layer, db),
+                                              attention_block_bytes(p, layer, pb))

@@ -34,6 +34,8 @@ from testkit.pd_caches import (  # noqa: F401 - re-exported
 )
 from testkit.pd_drive import (  # noqa: F401 - re-exported
     aborted,
+    assert_attention_bytes_moved,
+    assert_idle,
     attention_block_bytes,
     busy,
     finished_ids,

@@ -1,0 +1,149 @@
+"""The dense PD path in operation (one KV cache group, every build, 0.13 included): a failed
+load through vLLM's own block-level policy, stats, heartbeats that keep prefill's lease,
+cached prefill sheets, the integrity check, reconnects after a transport error."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
+
+
+def test_dense_load_failure_goes_through_vllm_policy():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=pd.Faults(fail_write_from=0))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    try:
+        records = pd.run_pd(p, d, prompts=[40, 17])
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        assert sum(w.ledger.counts["recv"] for w in d.workers) == 2
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_stats_count_bytes_and_failures():
+    from vllm_flagcx.compat.connector_api import SummedConnectorStats
+
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    try:
+        pd.run_pd(p, d, prompts=[48])
+        sent = p.workers[0].take_stats()
+        assert sent["send_bytes"] == 3 * 2 * 2 * 16 * 2 * 64 * 2  # 3 blocks, 2 layers, K+V
+        assert sent["send_descriptors"] >= 1
+        assert p.workers[0].take_stats() == {}  # a delta: nothing new since
+        merged = SummedConnectorStats(dict(sent)).aggregate(SummedConnectorStats(
+            {"send_bytes": 1}))
+        assert merged.reduce()["send_bytes"] == sent["send_bytes"] + 1
+        assert d.workers[0].take_stats()["recv_requests"] == 1
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_decode_heartbeats_keep_the_prefill_lease():
+    from vllm_flagcx.wire.heartbeat import HeartbeatSender
+    from vllm_flagcx.wire.params import parse_remote_prefill
+
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 2, port, model="dense", lease_seconds=0.6)
+    beats = HeartbeatSender(interval=0.15, timeout=0.5)
+    try:
+        records = pd.run_prefill(p, prompts=[40])
+        rec = next(iter(records.values()))
+        beats.watch("d-req", parse_remote_prefill(rec["params"]))
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            p.step()
+            time.sleep(0.01)
+        assert p.scheduler.connector.scheduler.num_held == 1  # still held: lease renewed
+        assert harness.blocks_in_use(p.scheduler) > 0
+        assert all(w.stats["lease_renewals"] > 0 for w in p.workers)  # on every P rank
+        assert sum(w.stats["expired_leases"] for w in p.workers) == 0
+        beats.unwatch("d-req")
+        deadline = time.monotonic() + 3
+        while harness.blocks_in_use(p.scheduler) and time.monotonic() < deadline:
+            p.step()
+            time.sleep(0.01)
+        assert harness.blocks_in_use(p.scheduler) == 0  # no heartbeat: the lease ends it
+        assert all(w.stats["expired_leases"] == 1 for w in p.workers)
+    finally:
+        beats.stop()
+        p.shutdown()
+
+
+@pytest.mark.parametrize(("ttl", "handshakes"), [(300.0, 1), (0.0, 2)])
+def test_cached_prefill_sheet_expires_by_ttl(ttl, handshakes):
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", peer_ttl=ttl)
+    try:
+        pd.run_pd(p, d, prompts=[20])
+        pd.run_pd(p, d, prompts=[24])
+        assert p.workers[0].stats["handshakes_served"] == handshakes
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_integrity_check_can_be_turned_off():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=pd.Faults(silent_skip_from=0))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", verify_integrity=False)
+    try:
+        records = pd.run_pd(p, d, prompts=[30])
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        assert d.workers[0].stats["integrity_failures"] == 0  # off: the loss goes unseen
+        assert d.workers[0].ledger.counts == {}
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_integrity_sample_spreads_over_descriptor_tails():
+    from vllm_flagcx.connector import integrity
+
+    buf = np.arange(4096, dtype=np.uint8)
+    base = buf.ctypes.data
+    src = base + np.arange(0, 4096, 128, dtype=np.uint64)
+    length = np.full(src.size, 100, dtype=np.uint64)
+    s, d = integrity.sample_ranges(src, src + np.uint64(1), length, max_samples=4,
+                                   sample_bytes=16)
+    assert len(s) == 4 and all(n == 16 for _, n in s)
+    assert s[0] == (base + 100 - 16, 16) and s[-1] == (int(src[-1]) + 100 - 16, 16)
+    assert [a + 1 for a, _ in s] == [a for a, _ in d]
+    before = integrity.checksum(s)
+    buf[100 - 1] ^= 0xFF  # a byte inside the first sample
+    assert integrity.checksum(s) != before
+
+
+def test_transport_error_evicts_the_connection_and_the_next_request_reconnects():
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=pd.Faults(fail_write_at=frozenset({0})))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    try:
+        pd.run_pd(p, d, prompts=[30])  # write 0 fails: connection dropped
+        pd.run_pd(p, d, prompts=[31])  # reconnects, succeeds
+        transport = p.workers[0].transport
+        assert transport.writes == 2 and transport.connects == 2
+        assert d.workers[0].ledger.counts["recv"] == 1
+        assert d.workers[0].stats["recv_requests"] == 1
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
