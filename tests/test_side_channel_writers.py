@@ -38,9 +38,9 @@ def _slow_pull_started(p: pd.Instance, d: pd.Instance, port: int) -> tuple[str, 
     thread.start()
     result["thread"] = thread
     deadline = time.monotonic() + 5
-    while p.workers[0]._writes_in_flight == 0 and time.monotonic() < deadline:
+    while p.workers[0].sends.writes_in_flight == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert p.workers[0]._writes_in_flight == 1
+    assert p.workers[0].sends.writes_in_flight == 1
     return tid, result
 
 

@@ -1,17 +1,17 @@
 """Prefill's side-channel server: handshakes, pulls, releases, heartbeats, and the writes.
 
 One thread owns the ZMQ socket (``_serve``); writes run on writer threads (``_write_job``)
-and their replies come back through an outbox. The safety invariant lives here: **a
-Release is acknowledged only once no write into its blocks is in flight** (``_handle``
-defers it while ``_Armed.writes`` > 0; ``_finish_pull`` acknowledges it), because decode
-frees and reuses those blocks as soon as it has the acknowledgement. Every pull is checked
+and their replies come back through an outbox. The transfers' lifecycle and its safety
+invariant (a Release is acknowledged only once no write into its blocks is in flight) are
+``sends.Sends``: this server claims a write before it runs and finishes it exactly once
+after (``_write_job``), and posts the Releases that waited only then. Every pull is checked
 before bytes move: its fields (``pull_problem``), the receiver's regions pinned per
 incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
-(``plans.check_within``), and the transfer's first puller (``_Armed.receiver``).
+(``plans.check_within``), and the transfer's first puller (``Sends.claim``).
 
 A mixin of ``worker.WorkerHalf``: the state it uses (``settings``, ``transport``,
-``regions``, ``sheet``, ``stats``, ``_lock``, ``_armed``, ``_done_sending``, ...) is
-created in ``WorkerHalf.__init__``.
+``regions``, ``sheet``, ``stats``, ``_lock``, ``sends``, ...) is created in
+``WorkerHalf.__init__``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
 from vllm_flagcx.connector.receivers import pull_problem
-from vllm_flagcx.connector.scheduler import SendTask
+from vllm_flagcx.connector.sends import Claim, Send
 from vllm_flagcx.layout import plans
 from vllm_flagcx.wire import auth
 from vllm_flagcx.wire import handshake as hs
@@ -36,19 +35,7 @@ from vllm_flagcx.wire import handshake as hs
 logger = logging.getLogger("vllm_flagcx")
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
-MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
-MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
-
-
-@dataclass
-class _Armed:
-    task: SendTask
-    expected: set[int] | None = None  # receiver ranks, known at the first pull
-    pulled: set[int] = field(default_factory=set)
-    writes: int = 0  # writes under way: the lease cannot expire, a Release must wait
-    receiver: str | None = None  # engine id of the decode instance that pulls it
-    release_waiters: list[bytes] = field(default_factory=list)  # Releases to ack after
 
 
 class SideChannelServer:
@@ -151,24 +138,14 @@ class SideChannelServer:
                     f"{message.protocol_version}")
             return hs.HandshakeReply(self.sheet)
         if isinstance(message, hs.Heartbeat):
-            renewed = time.monotonic() + self.settings.lease_seconds
+            renewed = self.sends.renew(list(message.transfer_ids),
+                                       time.monotonic() + self.settings.lease_seconds)
             with self._lock:
-                for tid in message.transfer_ids:
-                    armed = self._armed.get(tid)
-                    if armed is not None and armed.task.deadline < renewed:
-                        armed.task.deadline = renewed
-                        self.stats["lease_renewals"] += 1
+                self.stats["lease_renewals"] += renewed
             return hs.Ack(",".join(message.transfer_ids)[:256])
-        if isinstance(message, hs.Release):
-            with self._lock:
-                armed = self._armed.get(message.transfer_id)
-                if armed is not None and armed.writes:  # ack once no write is in flight
-                    if len(armed.release_waiters) < 16:
-                        armed.release_waiters.append(ident)
-                    return None
-                if self._armed.pop(message.transfer_id, None) is not None:
-                    self._done_sending.add(armed.task.request_id)
-                    self._end(message.transfer_id, "released by decode")
+        if isinstance(message, hs.Release):  # acknowledged once no write is in flight
+            if not self.sends.release(message.transfer_id, ident):
+                return None
             return hs.Ack(message.transfer_id)
         if isinstance(message, hs.PullRequest):
             problem = pull_problem(message, len(self.settings.layout.block_sizes))
@@ -189,70 +166,62 @@ class SideChannelServer:
         with self._lock:
             parked, self._parked = self._parked, []
         for ident, pull, deadline in parked:
-            with self._lock:
-                armed = self._armed.get(pull.transfer_id)
-                ended = self._ended.get(pull.transfer_id) if armed is None else None
-                if armed is not None and armed.receiver not in (None, pull.sheet.engine_id):
-                    out.append((ident, hs.PullReply(
-                        pull.transfer_id, False, "this transfer is pulled by another decode "
-                        "instance")))
-                    continue
-                if armed is not None and self._writes_in_flight >= MAX_WRITES_IN_FLIGHT:
-                    keep.append((ident, pull, deadline))  # writer threads all busy
-                    continue
-                if armed is not None:
-                    armed.writes += 1
-                    armed.receiver = pull.sheet.engine_id
-                    self._writes_in_flight += 1
-            if armed is None:
-                if ended is not None:
-                    out.append((ident, hs.PullReply(pull.transfer_id, False,
-                                                    f"transfer ended here: {ended}")))
-                elif now > deadline:
-                    out.append((ident, hs.PullReply(pull.transfer_id, False,
-                                                    "unknown or expired transfer id")))
-                else:
-                    keep.append((ident, pull, deadline))
-                continue
-            assert self._writer is not None
-            self._writer.submit(self._write_job, ident, armed, pull)
+            claim, what = self.sends.claim(pull.transfer_id, pull.sheet.engine_id)
+            if claim is Claim.WRITE:
+                assert self._writer is not None and isinstance(what, Send)
+                self._writer.submit(self._write_job, ident, what, pull)
+            elif claim is Claim.REFUSED:
+                out.append((ident, hs.PullReply(pull.transfer_id, False, str(what))))
+            elif claim is Claim.ENDED:
+                out.append((ident, hs.PullReply(pull.transfer_id, False,
+                                                f"transfer ended here: {what}")))
+            elif claim is Claim.WAIT and now > deadline:
+                out.append((ident, hs.PullReply(pull.transfer_id, False,
+                                                "unknown or expired transfer id")))
+            else:
+                keep.append((ident, pull, deadline))
         with self._lock:
             self._parked = keep + self._parked
         return out
 
-    def _write_job(self, ident: bytes, armed: _Armed, pull: hs.PullRequest) -> None:
+    def _write_job(self, ident: bytes, send: Send, pull: hs.PullRequest) -> None:
+        """One claimed write, finished exactly once whatever happens (``Sends.finish``), and
+        only then answered: the Releases it held back are acknowledged after it."""
+        reply = hs.PullReply(pull.transfer_id, False, "write not run")
         try:
-            reply = self._write(armed, pull)
-        except Exception as exc:  # _write ends the pull itself; this is the last guard
+            reply = self._write(send, pull)
+        except Exception as exc:  # the last guard: the claim is still finished below
             logger.warning("FlagCX write for %s: %s: %s", pull.transfer_id,
                            type(exc).__name__, exc)
             reply = hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
         finally:
-            with self._lock:
-                self._writes_in_flight -= 1
+            if not reply.ok:
+                with self._lock:
+                    self.stats["send_failures"] += 1
+            waiters = self.sends.finish(pull.transfer_id, send, pull.sheet.tp_rank,
+                                        pull.sheet.tp_size)
         self._post(ident, reply)
+        for waiter in waiters:
+            self._post(waiter, hs.Ack(pull.transfer_id))
 
-    def _write(self, armed: _Armed, pull: hs.PullRequest) -> hs.PullReply:
+    def _write(self, send: Send, pull: hs.PullRequest) -> hs.PullReply:
         started = time.monotonic()
         try:
             hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
             receiver = self._receivers.get(pull.sheet, self.regions)
             plan = receiver.table.plan(
-                armed.task.block_ids, pull.block_ids, self.kernel_ratios or None,
+                send.task.block_ids, pull.block_ids, self.kernel_ratios or None,
                 list(pull.offsets) or None)
             plans.check_within(plan, self._storages, receiver.spans)
             if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
-                self._finish_pull(armed, pull, failed=False)
                 return hs.PullReply(pull.transfer_id, True)
             handle = self._connection(receiver.sheet)
             result = self.transport.write(handle, plan.src, plan.dst, plan.length)
         except Exception as exc:  # whatever a pull names, the transfer ends and is freed
             self._connections.pop(pull.sheet.incarnation, None)
-            self._finish_pull(armed, pull, failed=True)
             return hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
         if not result.ok:
             self._connections.pop(pull.sheet.incarnation, None)
-            self._finish_pull(armed, pull, failed=True)
             return hs.PullReply(pull.transfer_id, False, result.error)
         with self._lock:
             self.stats["send_bytes"] += plan.num_bytes
@@ -268,7 +237,6 @@ class SideChannelServer:
             except Exception as exc:  # the bytes moved; only the proof of it is lost
                 logger.warning("FlagCX integrity sample of %s not taken: %s",
                                pull.transfer_id, exc)
-        self._finish_pull(armed, pull, failed=False)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc)
 
@@ -280,40 +248,7 @@ class SideChannelServer:
                 self._connections[sheet.incarnation] = handle
             return handle
 
-    def _finish_pull(self, armed: _Armed, pull: hs.PullRequest, failed: bool) -> None:
-        """One pull's write is over: the transfer ends once every receiver rank pulled,
-        or at once when a Release waited for this write (then acknowledged, only now)."""
-        with self._lock:
-            armed.writes -= 1
-            if armed.expected is None:
-                armed.expected = set(range(pull.sheet.tp_size))
-            armed.pulled.add(pull.sheet.tp_rank)
-            if failed:
-                self.stats["send_failures"] += 1
-            done = armed.pulled >= armed.expected or (armed.release_waiters
-                                                      and armed.writes == 0)
-            if done and self._armed.pop(pull.transfer_id, None):
-                self._done_sending.add(armed.task.request_id)
-                self._end(pull.transfer_id, "released by decode" if armed.release_waiters
-                          else "already pulled by every receiver rank")
-            waiters: list[bytes] = []
-            if armed.writes == 0:
-                waiters, armed.release_waiters = armed.release_waiters, []
-        for ident in waiters:
-            self._post(ident, hs.Ack(pull.transfer_id))
-
-    def _end(self, transfer_id: str, why: str) -> None:
-        """Remember (bounded) that ``transfer_id`` ended here; caller holds the lock."""
-        self._ended[transfer_id] = why
-        while len(self._ended) > MAX_ENDED_REMEMBERED:
-            self._ended.popitem(last=False)
-
     def _expire_leases(self) -> None:
-        now = time.monotonic()
+        expired = self.sends.expire(time.monotonic())
         with self._lock:
-            expired = [tid for tid, a in self._armed.items()
-                       if a.task.deadline < now and not a.writes]
-            for tid in expired:
-                self._done_sending.add(self._armed.pop(tid).task.request_id)
-                self._end(tid, "its lease expired")
-                self.stats["expired_leases"] += 1
+            self.stats["expired_leases"] += expired

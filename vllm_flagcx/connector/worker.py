@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +36,9 @@ from vllm_flagcx.connector.ledger import STAGES, FailureLedger, _delta
 from vllm_flagcx.connector.puller import Puller
 from vllm_flagcx.connector.receivers import ReceiverCache
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload
+from vllm_flagcx.connector.sends import Sends
 from vllm_flagcx.connector.side_channel_server import (
     SideChannelServer,
-    _Armed,
 )
 from vllm_flagcx.layout.regions import Region, Section, storage_spans
 from vllm_flagcx.transport.base import Transport
@@ -125,25 +125,19 @@ class WorkerHalf(SideChannelServer, Puller):
         self.kernel_ratios: list[int] = []
         self.sheet: hs.FactSheet | None = None
         self._lock = threading.Lock()
-        self._armed: dict[str, _Armed] = {}  # transfer_id -> held send
+        self.sends = Sends()  # prefill: armed transfers, their writes and how each ended
         self._parked: list[tuple[bytes, hs.PullRequest, float]] = []
-        self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
         # (incarnation, rank) -> the receiver as its first pull named it, with its plans
         self._receivers = ReceiverCache(settings.tp_rank, settings.tp_size,
                                         len(settings.layout.block_sizes))
-        # Transfers that ended here (released, expired): a late pull for one is answered
-        # at once. Before, it waited a lease for an id that would never be armed (a
-        # sibling decode rank failed and released: the other rank waited ~30 s).
-        self._ended: OrderedDict[str, str] = OrderedDict()
         self._connect_lock = threading.Lock()
         # Writes run on writer threads, never on the side-channel thread (one slow write
         # stalled every handshake, heartbeat and release behind it); their replies come
         # back through the outbox, and a byte on the wake pipe tells the server thread.
         self._writer: ThreadPoolExecutor | None = None
-        self._writes_in_flight = 0
         self._outbox: deque[tuple[bytes, hs.Message]] = deque()
         self._wake_r, self._wake_w = -1, -1
         self._stop = threading.Event()
@@ -180,12 +174,8 @@ class WorkerHalf(SideChannelServer, Puller):
 
     # ---------------------------------------------------------------- per step
     def start_step(self, payload: FlagCXMetadataPayload) -> None:
-        with self._lock:
-            for task in payload.send.values():
-                if task.transfer_id in self._armed:  # the scheduler refuses these first
-                    self._done_sending.add(task.request_id)
-                    continue
-                self._armed[task.transfer_id] = _Armed(task)
+        for task in payload.send.values():
+            self.sends.arm(task)  # a duplicate transfer id: done at once (scheduler refuses)
         for task in payload.recv.values():
             self._spawn(self._pull_guarded, task)
         for transfer_id, remote in payload.release.items():
@@ -199,7 +189,7 @@ class WorkerHalf(SideChannelServer, Puller):
         with self._lock:
             self._pending_invalid |= blocks
             self.failed_last_step = failed
-            sending, self._done_sending = self._done_sending, set()
+            sending = self.sends.take_done()
             recving, self._done_recving = self._done_recving, set()
         return sending, recving | failed
 

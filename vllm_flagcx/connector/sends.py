@@ -1,0 +1,159 @@
+"""Prefill's transfers, one lifecycle in one place.
+
+A transfer is **armed** when the scheduler hands over its blocks (``arm``), is **written**
+by zero or more pulls (``claim`` then ``finish``, one per receiver rank; writes of
+different ranks may overlap), and **ends** exactly once: every receiver rank pulled, decode
+released it, or its lease expired with no write in flight. Its request id then goes to
+``take_done`` (vLLM frees the blocks), and the transfer id is remembered (bounded) so a late
+pull is answered at once instead of waiting a lease for an id that will never come back.
+
+The safety invariant lives here: **a Release is acknowledged only when no write into the
+transfer's blocks is in flight** (``release`` defers it; the ``finish`` of the last write
+returns the deferred acknowledgements), because decode frees and reuses those blocks as
+soon as it has the acknowledgement. A lease never expires under a write either.
+
+Thread-safe: the side-channel thread, writer threads and the worker's step call in.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from vllm_flagcx.connector.scheduler import SendTask
+
+MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
+MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
+MAX_RELEASE_WAITERS = 16
+
+
+@dataclass
+class Send:
+    """One armed transfer (see the module docstring)."""
+
+    task: SendTask
+    expected: set[int] | None = None  # receiver ranks, known at the first pull
+    pulled: set[int] = field(default_factory=set)
+    writes: int = 0  # writes under way: the lease cannot expire, a Release must wait
+    receiver: str | None = None  # engine id of the decode instance that pulls it
+    release_waiters: list[bytes] = field(default_factory=list)  # Releases to ack after
+
+
+class Claim(enum.Enum):
+    """What a parked pull may do now."""
+
+    WRITE = "write"  # go: a write slot is taken, ``finish`` must follow exactly once
+    WAIT = "wait"  # not armed (yet): stay parked until the pull's own deadline
+    BUSY = "busy"  # armed, every writer busy: stay parked
+    REFUSED = "refused"  # armed, but pulled by another decode instance
+    ENDED = "ended"  # ended here (the reason is returned with it)
+
+
+class Sends:
+    """The armed transfers of one prefill rank and their transitions."""
+
+    def __init__(self, max_writes: int = MAX_WRITES_IN_FLIGHT) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[str, Send] = {}  # transfer_id -> armed transfer
+        self._ended: OrderedDict[str, str] = OrderedDict()  # transfer_id -> why
+        self._done: set[str] = set()  # request ids vLLM may free
+        self._max_writes = max_writes
+        self.writes_in_flight = 0
+
+    def __len__(self) -> int:
+        return len(self._armed)
+
+    def arm(self, task: SendTask) -> bool:
+        """Hold ``task``'s blocks for pulls; False (and the request done at once) when its
+        transfer id is already armed: the second request must not leak its blocks."""
+        with self._lock:
+            if task.transfer_id in self._armed:
+                self._done.add(task.request_id)
+                return False
+            self._armed[task.transfer_id] = Send(task)
+            return True
+
+    def renew(self, transfer_ids: list[str], until: float) -> int:
+        """Heartbeat: push leases to ``until``; how many were pushed."""
+        renewed = 0
+        with self._lock:
+            for tid in transfer_ids:
+                send = self._armed.get(tid)
+                if send is not None and send.task.deadline < until:
+                    send.task.deadline = until
+                    renewed += 1
+        return renewed
+
+    def release(self, transfer_id: str, ident: bytes) -> bool:
+        """Decode released ``transfer_id``: True to acknowledge now; False when a write is in
+        flight (``finish`` returns ``ident`` for acknowledgement later)."""
+        with self._lock:
+            send = self._armed.get(transfer_id)
+            if send is not None and send.writes:
+                if len(send.release_waiters) < MAX_RELEASE_WAITERS:
+                    send.release_waiters.append(ident)
+                return False
+            if send is not None:
+                self._end_locked(transfer_id, "released by decode")
+            return True
+
+    def claim(self, transfer_id: str, receiver: str) -> tuple[Claim, Send | str | None]:
+        """May a pull by engine ``receiver`` write now? ``(WRITE, send)`` takes a write slot;
+        ``(ENDED, why)``; ``(REFUSED, why)``; ``(BUSY, None)``; ``(WAIT, None)``."""
+        with self._lock:
+            send = self._armed.get(transfer_id)
+            if send is None:
+                ended = self._ended.get(transfer_id)
+                return (Claim.ENDED, ended) if ended is not None else (Claim.WAIT, None)
+            if send.receiver not in (None, receiver):
+                return Claim.REFUSED, "this transfer is pulled by another decode instance"
+            if self.writes_in_flight >= self._max_writes:
+                return Claim.BUSY, None
+            send.writes += 1
+            send.receiver = receiver
+            self.writes_in_flight += 1
+            return Claim.WRITE, send
+
+    def finish(self, transfer_id: str, send: Send, rank: int, tp_size: int) -> list[bytes]:
+        """A claimed write is over (done or failed): the transfer ends once every receiver
+        rank pulled, or at once when a Release waited for it; the Releases to acknowledge
+        now (only once no write is left)."""
+        with self._lock:
+            send.writes -= 1
+            self.writes_in_flight -= 1
+            if send.expected is None:
+                send.expected = set(range(tp_size))
+            send.pulled.add(rank)
+            if send.pulled >= send.expected or (send.release_waiters and send.writes == 0):
+                self._end_locked(transfer_id, "released by decode" if send.release_waiters
+                                 else "already pulled by every receiver rank")
+            if send.writes:
+                return []
+            waiters, send.release_waiters = send.release_waiters, []
+            return waiters
+
+    def expire(self, now: float) -> int:
+        """End transfers whose lease passed with no write in flight; how many."""
+        with self._lock:
+            expired = [tid for tid, s in self._armed.items()
+                       if s.task.deadline < now and not s.writes]
+            for tid in expired:
+                self._end_locked(tid, "its lease expired")
+        return len(expired)
+
+    def take_done(self) -> set[str]:
+        """Request ids whose transfer ended since the last call (vLLM frees their blocks)."""
+        with self._lock:
+            done, self._done = self._done, set()
+        return done
+
+    def _end_locked(self, transfer_id: str, why: str) -> None:
+        send = self._armed.pop(transfer_id, None)
+        if send is None:
+            return
+        self._done.add(send.task.request_id)
+        self._ended[transfer_id] = why
+        while len(self._ended) > MAX_ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
