@@ -87,6 +87,41 @@ def test_hybrid_pd_bytes_equal(p_tp, d_tp, conv_layout):
         d.shutdown()
 
 
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"])
+def test_hybrid_on_the_triton_attention_layout_moves_the_same_bytes(conv_layout):
+    """The H200 run's TRITON_ATTN hybrid case: attention (B, 2, N, H, D) with heads inside
+    each token (NHD, whole blocks between equal TP sizes), GDN state in the same pages."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, conv_layout, seed=1, attn_layout="triton_nhd")
+    d = pd.build_instance("kv_consumer", 1, port + 5, conv_layout, seed=2,
+                          attn_layout="triton_nhd")
+    try:
+        records = pd.run_pd(p, d, prompts=[37, 16, 70])
+        assert _check_bytes(p, d, records, conv_layout) > 0
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+        assert all(w.ledger.counts == {} for w in p.workers + d.workers)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_hybrid_triton_layout_with_other_tp_sizes_fails_by_name():
+    """NHD heads cannot be split for another TP size: refused per request, never guessed."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 2, port, seed=1, attn_layout="triton_nhd")
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=2, attn_layout="triton_nhd")
+    try:
+        pd.run_pd(p, d, prompts=[37])
+        reasons = " ".join(str(k) for w in d.workers for k in w.ledger.counts)
+        assert sum(sum(w.ledger.counts.values()) for w in d.workers) > 0, reasons
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_n_minus_one_rule_on_both_sides():
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port)

@@ -140,6 +140,10 @@ def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1,
                 caches[name] = _attention_cache(raw, spec.dtype, nb * kernel_ratio,
                                                 spec.num_kv_heads, BLOCK // kernel_ratio,
                                                 spec.head_size, attn_layout)
+            elif attn_layout == "triton_nhd":  # hybrid, (B, 2, N, H, D) as declared: vLLM
+                # skips its restride for this family (already blocks-first)
+                h = spec.num_kv_heads
+                caches[name] = raw.view(torch.bfloat16).view(nb, 2, BLOCK, h, HEAD_DIM)
             else:  # hybrid: attention restrided blocks-first so pages line up with GDN
                 h = spec.num_kv_heads
                 phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
