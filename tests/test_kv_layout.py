@@ -67,3 +67,19 @@ def test_packed_kv_034_shape():
     packed = torch.zeros(4, 2, 16, 2 * 64 * 2, dtype=torch.int8)  # [B, H, N, C]
     (region,) = kv_layout.attention_regions("l", packed, spec, 0, 1, 2)
     assert region.sections[0].units == 2 and region.block_bytes == 2 * 16 * 256
+
+
+def test_every_importable_backend_contract_is_read_or_skipped_by_name():
+    """``testkit.backend_layouts`` reads each attention backend this vLLM imports from its
+    own shape and stride order; one it cannot read is named with why, never dropped."""
+    from testkit import backend_layouts as bl
+
+    layouts = bl.backend_layouts()
+    imported = [n for n, loc in bl.BACKENDS.items() if bl._import(loc) is not None]
+    assert imported, "no attention backend class imports in this vLLM"
+    for name in imported:
+        cls = bl._import(bl.BACKENDS[name])
+        assert f"backend:{name}" in layouts or cls.__name__ in bl.SKIPPED, name
+    for physical, perm in layouts.values():
+        logical = "".join(physical[i] for i in perm)
+        assert logical in bl.READABLE and sorted(physical) == sorted("2BNHD")

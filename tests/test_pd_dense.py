@@ -137,11 +137,14 @@ def test_mismatched_kernel_block_sizes_are_rejected_by_name():
 def test_every_backend_familys_layout_moves_the_right_bytes(layout, p_tp, d_tp):
     """FLASH_ATTN's (2, B, N, H, D), FLASHINFER's (B, 2, N, H, D) in HND order and
     TRITON_ATTN's in NHD order (vLLM 0.22's shapes and stride orders; 0.22's TRITON_ATTN
-    cache used to stop the connector: "not a known layout"). NHD cannot be sliced per
+    cache used to stop the connector: "not a known layout"), and every backend class the
+    installed vLLM imports, allocated from its own ``get_kv_cache_shape`` and
+    ``get_kv_cache_stride_order`` (``testkit.backend_layouts``). NHD cannot be sliced per
     head: between different TP sizes each request fails naming the layout and the fix,
     and decode recomputes it (no wrong bytes: the check runs before any write)."""
     port = pd.free_port()
-    refused = p_tp != d_tp and layout.endswith("nhd")
+    physical = pd.ATTN_LAYOUTS[layout][0]
+    refused = p_tp != d_tp and physical.endswith("NHD")  # heads inside each token
     p = pd.build_instance("kv_producer", p_tp, port, model="dense", seed=3,
                           attn_layout=layout)
     d = pd.build_instance("kv_consumer", d_tp, port + 5, model="dense", seed=4,

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from testkit import vllm_builders
+from testkit import backend_layouts, vllm_builders
 from testkit import vllm_harness as harness
 from vllm_flagcx.compat import kv_cache
 
@@ -101,6 +101,8 @@ ATTN_LAYOUTS = {
     "flashinfer_hnd": ("B2HND", (0, 1, 3, 2, 4)),
     # TRITON_ATTN, FLASHINFER NHD: (B, 2, N, H, D) stored as declared
     "triton_nhd": ("B2NHD", (0, 1, 2, 3, 4)),
+    # and every backend class this vLLM imports, from its own shape and stride order
+    **backend_layouts.backend_layouts(),
 }
 
 
