@@ -27,9 +27,13 @@ TREE = ("import subprocess, sys, time; "
         "time.sleep(600)")
 
 DRIVER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from pathlib import Path
     from vllm_flagcx.demo import run, servers as sv
+
+    # Ctrl-C reaches a terminal's foreground process; a test runner started in the
+    # background (nohup, cmd &) hands SIGINT down ignored, and the driver must not inherit it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def body():
         work = Path(sys.argv[1])
