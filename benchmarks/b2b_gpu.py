@@ -16,15 +16,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def run(quick: bool) -> dict[str, Any]:
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    if not has_gpu:
-        return {"name": "b2b_gpu", "text": "B2b GPU data path: not run (no CUDA device)",
-                "rows": []}
+    skipped = report.not_run_without_cuda("b2b_gpu", "B2b GPU data path")
+    if skipped is not None:
+        return skipped
     use_test_helpers()
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))

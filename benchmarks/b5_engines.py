@@ -90,15 +90,9 @@ def _serve(d: Any, num_prompts: int) -> dict[str, dict[str, Any]]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    if not has_gpu:
-        return {"name": "b5_engines", "text": "B5 transfer inside engines: not run (no CUDA "
-                "device)", "rows": []}
+    skipped = report.not_run_without_cuda("b5_engines", "B5 transfer inside engines")
+    if skipped is not None:
+        return skipped
     use_test_helpers()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
     import engines

@@ -34,6 +34,19 @@ def fingerprint() -> dict[str, Any]:
     return out
 
 
+def not_run_without_cuda(name: str, title: str) -> dict[str, Any] | None:
+    """The result of a GPU benchmark that cannot run here (no torch or no CUDA device), or
+    None when a CUDA device is present."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    except ImportError:
+        pass
+    return {"name": name, "text": f"{title}: not run (no CUDA device)", "rows": []}
+
+
 def time_us(fn: Callable[[], Any], reps: int, warmup: int = 3) -> list[float]:
     """Wall microseconds of ``reps`` calls (after ``warmup`` calls)."""
     for _ in range(warmup):

@@ -13,26 +13,7 @@ import torch
 
 from testkit import cpu_platform  # noqa: F401 - first: spawned processes import it
 from testkit import vllm_harness as harness
-from testkit.pd_caches import (  # noqa: F401 - the one module tests import
-    ATTN_LAYOUTS,
-    BLOCK,
-    CONV_WIDTH,
-    DENSE_HEAD_DIM,
-    HEAD_DIM,
-    KEY_DIM,
-    KV_HEADS,
-    MLA_HEAD,
-    SLIDING_WINDOW,
-    SSM_DIM,
-    SSM_HEADS,
-    VALUE_DIM,
-    RankCaches,
-    allocate,
-    dense_rank_kv_cache_config,
-    mla_rank_kv_cache_config,
-    rank_kv_cache_config,
-    sliding_rank_kv_cache_config,
-)
+from testkit.pd_caches import KV_HEADS
 from testkit.pd_instances import Instance, build_instance
 from vllm_flagcx.layout.topology import head_range
 

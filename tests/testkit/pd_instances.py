@@ -3,7 +3,6 @@ scheduler half (built by vLLM's own factory) plus one ``WorkerHalf`` per TP rank
 caches of ``pd_caches``, wired to a transport (the in-process stand-in by default).
 ``pd_harness`` re-exports these names."""
 
-
 from __future__ import annotations
 
 from collections import Counter
@@ -14,18 +13,9 @@ import torch
 
 from testkit import cpu_platform  # noqa: F401 - first: spawned processes import it
 from testkit import vllm_harness as harness
-from testkit.pd_caches import (  # noqa: F401 - the one module tests import
-    ATTN_LAYOUTS,
-    BLOCK,
-    CONV_WIDTH,
-    DENSE_HEAD_DIM,
-    HEAD_DIM,
+from testkit.pd_caches import (
     KEY_DIM,
     KV_HEADS,
-    MLA_HEAD,
-    SLIDING_WINDOW,
-    SSM_DIM,
-    SSM_HEADS,
     VALUE_DIM,
     RankCaches,
     allocate,
