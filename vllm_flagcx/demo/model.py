@@ -49,10 +49,12 @@ def model_config(kind: str = "sliding") -> dict:
     }
     if kind == "hybrid":
         return hybrid_config()
+    if kind == "mamba2":
+        return mamba2_config()
     if kind == "sliding":
         config |= {"layer_types": layers, "sliding_window": SLIDING_WINDOW}
     elif kind != "dense":
-        raise ValueError(f"model kind {kind!r}: use 'hybrid', 'sliding' or 'dense'")
+        raise ValueError(f"model kind {kind!r}: use one of {', '.join(KINDS)}")
     return config
 
 
@@ -82,6 +84,31 @@ def hybrid_config() -> dict:
     }
 
 
+def mamba2_config() -> dict:
+    """A Bamba (Mamba2 + attention) layer mix at toy size: [3 Mamba2 + 1 full attention] x 2.
+
+    The GPU suite's float32 hybrid: vLLM 0.22's CUDA Gated DeltaNet prefill kernel refuses
+    float32, its Mamba2 kernels do not, so this is the hybrid whose PD run can be held to
+    exact equality with the monolithic one (no bf16 near ties). The connector moves its
+    Mamba2 conv + ssm page exactly as it moves a GDN one."""
+    layers = 8
+    return {
+        "architectures": ["BambaForCausalLM"], "model_type": "bamba",
+        "vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": layers, "attn_layer_indices": [3, 7],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+        "mamba_conv_bias": True, "mamba_proj_bias": False,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
+    }
+
+
+KINDS = ("hybrid", "mamba2", "sliding", "dense")
+
+
 def _tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -102,7 +129,7 @@ def weights(config: dict) -> dict:
     """Seeded weights in the Hugging Face naming (fp32, ~12 MB for this size)."""
     import torch
 
-    if config["model_type"] == "qwen3_next":
+    if config["model_type"] in ("qwen3_next", "bamba"):
         return _hybrid_weights(config)
 
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
@@ -141,16 +168,20 @@ def _unit_gain(shape: Any, gen: Any) -> Any:
 
 
 def _hybrid_weights(config: dict) -> dict:
-    """Transformers' own Qwen3-Next parameters (names, shapes, GDN's A_log/dt_bias/conv
-    init), with every matrix redrawn from the seed at unit gain like the Llama weights."""
+    """Transformers' own Qwen3-Next or Bamba parameters (names, shapes, the A_log/dt_bias/
+    conv init of GDN and Mamba2), with every matrix redrawn from the seed at unit gain like
+    the Llama weights."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(WEIGHTS_SEED)
     # transformers' own config class, not AutoConfig.for_model: once vLLM 0.20 has loaded
     # a Qwen3-Next config in this process, the latter no longer gives one that
     # transformers' modeling code can read (rope_theta missing).
-    hf = AutoModelForCausalLM.from_config(Qwen3NextConfig(**config))
+    config_class = {"qwen3_next": "Qwen3NextConfig", "bamba": "BambaConfig"}[
+        config["model_type"]]
+    hf = AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**config))
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
     out = {}
     for name, tensor in hf.state_dict().items():

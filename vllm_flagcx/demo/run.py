@@ -107,10 +107,12 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-flagcx demo", description=__doc__.split("\n")[0])
-    p.add_argument("--model-kind", default="hybrid", choices=("hybrid", "sliding", "dense"),
+    p.add_argument("--model-kind", default="hybrid", choices=demo_model.KINDS,
                    help="hybrid (default): Qwen3-Next layer mix, [3 Gated DeltaNet + 1 full "
                         "attention] x 2, 4 KV cache groups: GDN conv+ssm state moves with "
-                        "the attention KV; sliding: sliding-window + full attention, 2 groups")
+                        "the attention KV; mamba2: Bamba layer mix, [3 Mamba2 + 1 full "
+                        "attention] x 2 (the GPU suite's float32 hybrid); sliding: "
+                        "sliding-window + full attention, 2 groups")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="float32 (default) makes the PD vs monolithic comparison exact: "
                         "decode recomputes the prompt's last token with GDN's recurrent "
