@@ -13,17 +13,20 @@ from vllm_flagcx.connector import integrity
 from vllm_flagcx.transport import cuda_kernel
 
 
-def test_few_large_descriptors_are_split_across_blocks():
-    assert cuda_kernel.launch_shape(140, 1_274_000) == (39, 140)  # 32 KiB per block
-    assert cuda_kernel.launch_shape(4, 64 << 20) == (cuda_kernel.MAX_SPLIT, 4)
-    per_block = cuda_kernel.THREADS * cuda_kernel.WORDS_PER_THREAD * 16
-    split, _ = cuda_kernel.launch_shape(10, 3 * per_block)
+def test_few_large_descriptors_are_split_across_warps():
+    assert cuda_kernel.launch_shape(140, 1_274_000) == (cuda_kernel.MAX_SPLIT, 18)
+    assert cuda_kernel.launch_shape(4, 64 << 20) == (cuda_kernel.MAX_SPLIT, 1)
+    split, _ = cuda_kernel.launch_shape(10, 3 * cuda_kernel.BYTES_PER_SPLIT)
     assert split == 3
+    assert cuda_kernel.launch_shape(10, 3 * cuda_kernel.BYTES_PER_SPLIT + 1)[0] == 4
 
 
-def test_many_small_descriptors_get_one_block_each_up_to_the_grid_limit():
-    assert cuda_kernel.launch_shape(20_910, 8_528) == (1, 20_910)
-    assert cuda_kernel.launch_shape(10**6, 512) == (1, cuda_kernel.MAX_GRID_Y)
+def test_many_small_descriptors_get_one_warp_each_up_to_the_grid_limit():
+    assert cuda_kernel.WARPS == cuda_kernel.THREADS // 32
+    assert cuda_kernel.launch_shape(20_910, 8_448) == (2, 2_614)  # 8 descriptors a block
+    assert cuda_kernel.launch_shape(8, 512) == (1, 1)
+    assert cuda_kernel.launch_shape(9, 512) == (1, 2)
+    assert cuda_kernel.launch_shape(10**7, 512) == (1, cuda_kernel.MAX_GRID_Y)
 
 
 def test_missing_nvrtc_is_named(monkeypatch):

@@ -53,3 +53,20 @@ def test_greedy_output_depends_on_the_context_not_only_the_last_token(kind):
             ids = torch.cat([context, torch.tensor([77])])[None]
             predictions.add(int(model(ids).logits[0, -1].argmax()))
     assert len(predictions) >= 6, predictions
+
+
+def test_mamba2_checkpoint_is_nemotron_h_with_its_own_head_and_mamba2_state():
+    """The GPU suite's float32 hybrid: vLLM's Nemotron-H reads ``hybrid_override_pattern``
+    and loads the lm_head, the embeddings and every Mamba2 mixer's conv/ssm parameters."""
+    pytest.importorskip("transformers.models.nemotron_h",
+                        reason="this transformers has no Nemotron-H")
+    config = demo_model.mamba2_config()
+    weights = demo_model.weights(config)
+    pattern = config["hybrid_override_pattern"]
+    assert len(pattern) == config["num_hidden_layers"] and set(pattern) == {"M", "*", "-"}
+    for i, kind in enumerate(pattern):
+        wanted = {"M": "mixer.A_log", "*": "mixer.k_proj.weight", "-": "mixer.up_proj.weight"}
+        assert f"model.layers.{i}.{wanted[kind]}" in weights, (i, kind)
+    head = weights["lm_head.weight"]
+    assert tuple(head.shape) == (config["vocab_size"], config["hidden_size"])
+    assert not head.equal(weights["model.embeddings.weight"])

@@ -85,25 +85,32 @@ def hybrid_config() -> dict:
 
 
 def mamba2_config() -> dict:
-    """A Bamba (Mamba2 + attention) layer mix at toy size: [3 Mamba2 + 1 full attention] x 2.
+    """A Nemotron-H (Mamba2 + attention) layer mix at toy size, ``M-M*M-M*``: four Mamba2
+    layers, two attention layers, two MLPs.
 
     The GPU suite's float32 hybrid: vLLM 0.22's CUDA Gated DeltaNet prefill kernel refuses
     float32, its Mamba2 kernels do not, so this is the hybrid whose PD run can be held to
     exact equality with the monolithic one (no bf16 near ties). The connector moves its
-    Mamba2 conv + ssm page exactly as it moves a GDN one."""
-    layers = 8
+    Mamba2 conv + ssm page exactly as it moves a GDN one. Nemotron-H, not Bamba: vLLM
+    0.22's Bamba reads layer kinds that transformers 5 renamed; its Nemotron-H config is
+    vLLM's own class (these key names), which transformers 5 also reads."""
     return {
-        "architectures": ["BambaForCausalLM"], "model_type": "bamba",
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
         "vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512,
-        "num_hidden_layers": layers, "attn_layer_indices": [3, 7],
+        "hybrid_override_pattern": "M-M*M-M*", "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 16,
-        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
-        "mamba_conv_bias": True, "mamba_proj_bias": False,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "mamba_num_heads": 8, "mamba_head_dim": 64, "mamba_n_groups": 1,
+        "ssm_state_size": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+        "mamba_chunk_size": 256, "mlp_hidden_act": "relu2",
+        "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-6,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
     }
+
+
+# transformers' NemotronHConfig spells four of the Mamba2 fields without the prefix.
+_HF_NEMOTRON_H_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
+                        "mamba_expand": "expand", "mamba_chunk_size": "chunk_size"}
 
 
 KINDS = ("hybrid", "mamba2", "sliding", "dense")
@@ -129,7 +136,7 @@ def weights(config: dict) -> dict:
     """Seeded weights in the Hugging Face naming (fp32, ~12 MB for this size)."""
     import torch
 
-    if config["model_type"] in ("qwen3_next", "bamba"):
+    if config["model_type"] in ("qwen3_next", "nemotron_h"):
         return _hybrid_weights(config)
 
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
@@ -168,8 +175,8 @@ def _unit_gain(shape: Any, gen: Any) -> Any:
 
 
 def _hybrid_weights(config: dict) -> dict:
-    """Transformers' own Qwen3-Next or Bamba parameters (names, shapes, the A_log/dt_bias/
-    conv init of GDN and Mamba2), with every matrix redrawn from the seed at unit gain like
+    """Transformers' own Qwen3-Next or Nemotron-H parameters (names, shapes, the A_log/
+    dt_bias/conv init of GDN and Mamba2), with every matrix redrawn from the seed at unit gain like
     the Llama weights."""
     import torch
     import transformers
@@ -179,9 +186,12 @@ def _hybrid_weights(config: dict) -> dict:
     # transformers' own config class, not AutoConfig.for_model: once vLLM 0.20 has loaded
     # a Qwen3-Next config in this process, the latter no longer gives one that
     # transformers' modeling code can read (rope_theta missing).
-    config_class = {"qwen3_next": "Qwen3NextConfig", "bamba": "BambaConfig"}[
-        config["model_type"]]
-    hf = AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**config))
+    if config["model_type"] == "qwen3_next":
+        hf_config = transformers.Qwen3NextConfig(**config)
+    else:
+        hf_config = transformers.NemotronHConfig(
+            **{_HF_NEMOTRON_H_NAMES.get(k, k): v for k, v in config.items()})
+    hf = AutoModelForCausalLM.from_config(hf_config)
     gen = torch.Generator().manual_seed(WEIGHTS_SEED)
     out = {}
     for name, tensor in hf.state_dict().items():
