@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from vllm_flagcx.transport.address_ranges import OUTSIDE, RangeTable
 from vllm_flagcx.transport.base import Transport, TransportError, WriteResult
 
 IOV_MAX = 1024
@@ -52,19 +53,23 @@ def host_id() -> str:
         return socket.gethostname()
 
 
+def _device_table(ranges: tuple[_DeviceRange, ...] | list[_DeviceRange]) -> RangeTable:
+    return RangeTable((r.addr, r.addr + r.size) for r in ranges)
+
+
 @dataclass(frozen=True)
 class _Peer:
     pid: int
     ranges: tuple[tuple[int, int], ...]
     device_ranges: tuple[_DeviceRange, ...] = ()
 
-
-def _inside(ranges: tuple[tuple[int, int], ...] | list[tuple[int, int]], start: np.ndarray,
-            end: np.ndarray) -> bool:
-    ok = np.zeros(start.shape, dtype=bool)
-    for lo, hi in ranges:
-        ok |= (start >= lo) & (end <= hi)
-    return bool(ok.all())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "table", RangeTable(self.ranges))
+        object.__setattr__(self, "device_table", _device_table(self.device_ranges))
+        # Per device range: what to add to a peer address to get this process's mapping
+        # of it (mod 2**64), filled in when the range's IPC handle is first opened.
+        object.__setattr__(self, "deltas", np.zeros(len(self.device_ranges), np.uint64))
+        object.__setattr__(self, "opened", np.zeros(len(self.device_ranges), bool))
 
 
 class LocalTransport(Transport):
@@ -127,9 +132,9 @@ class LocalTransport(Transport):
             return WriteResult(True)
         if peer.device_ranges and self.device_ranges:
             return self._write_device(peer, src, dst, length)
-        if not _inside(self.ranges, src, src + length):
+        if not RangeTable(self.ranges).holds(src, length):
             return WriteResult(False, "source outside this process's registered memory")
-        if not _inside(peer.ranges, dst, dst + length):
+        if not peer.table.holds(dst, length):  # type: ignore[attr-defined]
             return WriteResult(False, f"destination outside the memory pid {peer.pid} "
                                       "registered")
         total = 0
@@ -148,21 +153,22 @@ class LocalTransport(Transport):
         from vllm_flagcx.transport import cuda_ipc
 
         cuda = cuda_ipc.driver()
-        end_src, end_dst = src + length, dst + length
-        if not _inside([(r.addr, r.addr + r.size) for r in self.device_ranges], src, end_src):
+        if not _device_table(self.device_ranges).holds(src, length):
             return WriteResult(False, "source outside this process's registered GPU memory")
-        mapped = np.zeros(dst.shape, dtype=np.uint64)
-        found = np.zeros(dst.shape, dtype=bool)
+        where = peer.device_table.index(dst, length)  # type: ignore[attr-defined]
+        if np.any(where == OUTSIDE):
+            return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
+                                      "registered")
+        deltas, opened = peer.deltas, peer.opened  # type: ignore[attr-defined]
         try:
-            for r in peer.device_ranges:
-                inside = (dst >= r.addr) & (end_dst <= r.addr + r.size) & ~found
-                if inside.any():
-                    opened = cuda.open(r.handle, self.device_ranges[0].device)
-                    mapped[inside] = dst[inside] - np.uint64(r.base) + np.uint64(opened)
-                    found |= inside
-            if not found.all():
-                return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
-                                          "registered")
+            needed = np.bincount(where, minlength=len(peer.device_ranges)) > 0
+            for k in np.flatnonzero(needed & ~opened):
+                r = peer.device_ranges[k]
+                local = cuda.open(r.handle, self.device_ranges[0].device)
+                deltas[k] = np.uint64((local - r.base) % (1 << 64))
+                opened[k] = True
+            # wraps mod 2**64: peer address - allocation base + this process's mapping
+            mapped = dst + (deltas[where[0]] if np.all(where == where[0]) else deltas[where])
             cuda.copy_batch(self.device_ranges[0].device, mapped, src, length)
         except cuda_ipc.CudaError as exc:
             return WriteResult(False, f"CUDA IPC write into pid {peer.pid} failed: {exc}")

@@ -1,0 +1,67 @@
+"""RangeTable: which registered range holds each descriptor (the bounds check of every
+same-host write, host and GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_flagcx.transport.address_ranges import OUTSIDE, RangeTable
+
+
+def _u64(values):
+    return np.array(values, dtype=np.uint64)
+
+
+def test_each_descriptor_gets_the_position_of_the_range_holding_it_in_the_given_order():
+    table = RangeTable([(5000, 6000), (1000, 2000), (3000, 4000)])
+    assert table.disjoint
+    got = table.index(_u64([1000, 3500, 5999, 1500]), _u64([1000, 500, 1, 0]))
+    assert got.tolist() == [1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("start,length", [(999, 2), (1999, 2), (2999, 2), (4500, 10),
+                                          (6000, 1), (0, 1), (1500, 1600)])
+def test_a_descriptor_outside_or_across_ranges_is_outside(start, length):
+    table = RangeTable([(1000, 2000), (2000, 3000), (5000, 6000)])
+    assert table.index(_u64([start]), _u64([length])).tolist() == [OUTSIDE]
+    assert not table.holds(_u64([1000, start]), _u64([1, length]))
+
+
+def test_a_length_that_wraps_past_2_64_is_outside_not_inside():
+    table = RangeTable([(1000, 2000)])
+    assert table.index(_u64([1500]), _u64([2**64 - 1000])).tolist() == [OUTSIDE]
+
+
+def test_overlapping_ranges_are_checked_one_by_one():
+    table = RangeTable([(1000, 5000), (2000, 3000)])
+    assert not table.disjoint
+    got = table.index(_u64([2500, 4000, 900]), _u64([100, 500, 200]))
+    assert got[0] in (0, 1) and got[1] == 0 and got[2] == OUTSIDE
+
+
+def test_an_empty_table_holds_nothing_and_bad_ranges_are_refused():
+    assert RangeTable([]).index(_u64([1]), _u64([1])).tolist() == [OUTSIDE]
+    with pytest.raises(ValueError, match="lo <= hi"):
+        RangeTable([(10, 5)])
+
+
+def test_the_answer_matches_a_range_by_range_check_on_many_descriptors():
+    rng = np.random.default_rng(3)
+    ranges = [(int(lo), int(lo) + int(size)) for lo, size in
+              zip(np.arange(40) * 10_000 + 100, rng.integers(1, 9_000, 40), strict=True)]
+    table = RangeTable(ranges)
+    start = rng.integers(0, 410_000, 5_000).astype(np.uint64)
+    length = rng.integers(0, 3_000, 5_000).astype(np.uint64)
+    got = table.index(start, length)
+    for s, n, k in zip(start.tolist(), length.tolist(), got.tolist(), strict=True):
+        holders = [i for i, (lo, hi) in enumerate(ranges) if lo <= s and s + n <= hi]
+        assert (k == OUTSIDE) if not holders else (k in holders), (s, n, k, holders)
+
+
+def test_one_range_holds_by_reductions_with_the_same_answer():
+    table = RangeTable([(1000, 2000)])
+    assert table.holds(_u64([1000, 1500]), _u64([10, 500]))
+    assert not table.holds(_u64([1000, 1500]), _u64([10, 501]))
+    assert not table.holds(_u64([1500]), _u64([2**64 - 1000]))
+    assert table.holds(_u64([]), _u64([]))
