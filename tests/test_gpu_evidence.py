@@ -32,3 +32,10 @@ def test_drift_is_the_largest_difference_over_shared_tokens_per_position():
     mono = _run(["a", "b"], [{"a": -1.25, "b": -2.0}, {"b": -0.5, "z": -1.0}])
     assert evidence.drift(pd, mono, 1) == [0.25, 0.0]
     assert evidence.drift(pd, _run(["a"], [{"k": 0.0}]), 0) == [float("inf")]
+
+
+def test_typical_drift_is_the_median_so_one_spike_does_not_move_it():
+    assert evidence.typical_drift([0.03, 0.04, 0.72, 0.02, 0.05]) == 0.04
+    assert evidence.typical_drift([0.5, 0.6, 0.7, 0.02]) == 0.55
+    assert evidence.typical_drift([0.1, 0.3]) == 0.2
+    assert evidence.typical_drift([]) == 0.0
