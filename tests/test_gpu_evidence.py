@@ -39,3 +39,13 @@ def test_typical_drift_is_the_median_so_one_spike_does_not_move_it():
     assert evidence.typical_drift([0.5, 0.6, 0.7, 0.02]) == 0.55
     assert evidence.typical_drift([0.1, 0.3]) == 0.2
     assert evidence.typical_drift([]) == 0.0
+
+
+def test_divergence_counts_a_token_only_one_run_lists_by_its_lower_bound():
+    pd = _run(["a"], [{"a": -1.0, "b": -3.0}])
+    mono = _run(["c"], [{"c": -1.0, "b": -3.005}])
+    # drift sees only "b" (0.005); "a" is in PD's top at -1 and below -3.005 in mono's
+    assert abs(evidence.drift(pd, mono, 0)[0] - 0.005) < 1e-9
+    assert abs(evidence.divergence(pd, mono, 0)[0] - 2.005) < 1e-9
+    same = _run(["a"], [{"a": -1.0, "b": -3.0}])
+    assert evidence.divergence(same, same, 0) == [0.0]

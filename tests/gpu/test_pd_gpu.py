@@ -195,7 +195,7 @@ def test_negative_control_corrupted_or_missing_kv_changes_the_answer(pairs, case
 def _drift_until_parting(pd: dict[str, Any], mono: dict[str, Any]) -> tuple[Any, list[float]]:
     diff = evidence.first_difference(pd, mono)
     upto = diff["index"] if diff else len(pd["logprobs"]["tokens"]) - 1
-    return diff, evidence.drift(pd, mono, upto)
+    return diff, evidence.divergence(pd, mono, upto)
 
 
 @pytest.mark.parametrize("case", BF16_HYBRID)
@@ -211,6 +211,8 @@ def test_bf16_hybrid_differences_are_rounding(pairs, case):
     _report(case, "prompts", _summary(rows))
     _report(case, "first_differences", [diff for diff, _ in parted if diff is not None])
     _report(case, "drift_per_position", [drift for _, drift in parted])
+    _report(case, "logprobs", [{"pd": r["pd"]["logprobs"], "mono": r["mono"]["logprobs"]}
+                               for r in rows])
     for r, (diff, drift) in zip(rows, parted, strict=True):
         assert r["moved_bytes"] > 0, (r["prompt"], "nothing arrived at decode")
         typical = evidence.typical_drift(drift)
@@ -248,7 +250,9 @@ def test_bf16_hybrid_corrupted_block_drifts_beyond_rounding(pairs, case):
         diff, drift = _drift_until_parting(r.json()["choices"][0], mono)
         typical = evidence.typical_drift(drift)
         seen.append({"prompt": prompt[:40], "typical": typical, "drift": drift,
-                     "parted_at": diff["index"] if diff else None})
+                     "parted_at": diff["index"] if diff else None, "first_difference": diff,
+                     "old_drift": evidence.drift(r.json()["choices"][0], mono,
+                                                 diff["index"] if diff else 0)})
     _report(case, "corrupted_block_drift", seen)
     engines.wait_idle(d.prefill)
     engines.wait_idle(d.decode)
