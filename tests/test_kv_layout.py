@@ -8,6 +8,7 @@ from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 
 from vllm_flagcx.compat import kv_layout
+from vllm_flagcx.compat.attention import ATTENTION_DIMS
 from vllm_flagcx.layout.regions import RegionError
 
 
@@ -61,6 +62,43 @@ def test_nhd_attention_moves_whole_blocks_only():
         kv_layout.attention_regions("l", torch.zeros(2, 2, 16, 2, 64), spec, 0, 1, 2)
 
 
+@pytest.mark.parametrize(("dims", "regions_sections"), [
+    ("2BNHD", {"l.k": [("heads_nhd_unsplittable", 0, 1, 4096)],
+               "l.v": [("heads_nhd_unsplittable", 0, 1, 4096)]}),
+    ("B2NHD", {"l.kv": [("k_heads_nhd_unsplittable", 0, 1, 4096),
+                        ("v_heads_nhd_unsplittable", 4096, 1, 4096)]}),
+    ("2BHND", {"l.k": [("heads", 0, 2, 2048)], "l.v": [("heads", 0, 2, 2048)]}),
+    ("B2HND", {"l.kv": [("k_heads", 0, 2, 2048), ("v_heads", 4096, 2, 2048)]}),
+])
+def test_declared_dims_name_k_v_and_heads_even_with_two_blocks_and_two_heads(
+        dims, regions_sections):
+    """With the backend's declared dimensions (contiguous here), a cache of 2 blocks and
+    2 heads, whose shape alone is ambiguous, gives its layout's regions: K and V apart when
+    K/V is outermost, K+V per block otherwise; per-head sections (2 x 16 tokens x 64 x 2 B)
+    where heads are outside tokens (HND, CPU_ATTN's "2BHND"), one unsplittable section
+    where they are inside (NHD)."""
+    assert set(dims) == set("2BNHD") and dims in ATTENTION_DIMS
+    dense = pd.dense_rank_kv_cache_config(1, 2)
+    spec = dense.kv_cache_groups[0].kv_cache_spec
+    sizes = {"2": 2, "B": 2, "N": 16, "H": 2, "D": 64}
+    cache = torch.zeros(*(sizes[c] for c in dims), dtype=torch.bfloat16)
+    regions = kv_layout.attention_regions("l", cache, spec, 0, 1, 2, dims=dims)
+    got = {r.name: [(x.name, x.offset, x.units, x.unit_bytes) for x in r.sections]
+           for r in regions}
+    assert got == regions_sections
+    assert all(r.num_blocks == 2 for r in regions)
+    with pytest.raises(RegionError, match="ambiguous"):  # what the shape alone gives
+        kv_layout.attention_regions("l", cache, spec, 0, 1, 2)
+
+
+def test_declared_dims_that_disagree_with_the_spec_are_refused_by_name():
+    dense = pd.dense_rank_kv_cache_config(1, 4)
+    spec = dense.kv_cache_groups[0].kv_cache_spec
+    cache = torch.zeros(2, 4, 16, 2, 64)  # (2, B, N, H, D) read as if (2, B, H, N, D)
+    with pytest.raises(RegionError, match="KV heads"):
+        kv_layout.attention_regions("l", cache, spec, 0, 1, 2, dims="2BHND")
+
+
 def test_packed_kv_034_shape():
     dense = pd.dense_rank_kv_cache_config(1, 4)
     spec = dense.kv_cache_groups[0].kv_cache_spec
@@ -82,4 +120,4 @@ def test_every_importable_backend_contract_is_read_or_skipped_by_name():
         assert f"backend:{name}" in layouts or cls.__name__ in bl.SKIPPED, name
     for physical, perm in layouts.values():
         logical = "".join(physical[i] for i in perm)
-        assert logical in bl.READABLE and sorted(physical) == sorted("2BNHD")
+        assert logical in ATTENTION_DIMS and sorted(physical) == sorted("2BNHD")

@@ -3,12 +3,11 @@ runner allocates them: ``get_kv_cache_shape`` gives the logical shape, and
 ``get_kv_cache_stride_order`` (identity where a backend does not implement it) the physical
 order the raw buffer is viewed in before it is permuted back to the logical shape.
 
-Every backend class the installed vLLM can import is read; a layout is named
-``backend:<NAME>`` in the ``ATTN_LAYOUTS`` format of ``pd_caches``: (physical order over the
-letters 2 B N H D, the permutation from physical to logical). Backends whose logical shape
-is not one of the two families the harness reads per head ((2, B, N, H, D) or
-(B, 2, N, H, D)) are listed in ``SKIPPED`` with their shape (the CPU backend's
-(2, B, H, N, D) runs in the real CPU engines of ``tests/e2e`` instead).
+Every backend class the installed vLLM can import is read, with the connector's own reader
+(``compat.attention.declared_dims``); a layout is named ``backend:<NAME>`` in the
+``ATTN_LAYOUTS`` format of ``pd_caches``: (physical order over the letters 2 B N H D, the
+permutation from physical to logical). Backends that declare no per-block K/V layout are
+listed in ``SKIPPED``.
 """
 
 from __future__ import annotations
@@ -25,9 +24,6 @@ BACKENDS = {
     "ROCM_AITER_FA": "vllm.v1.attention.backends.rocm_aiter_fa:AiterFlashAttentionBackend",
     "CPU_ATTN": "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend",
 }
-# Distinct sizes so a shape names its dimensions: blocks, tokens per block, heads, head dim.
-_PROBE = {"B": 1009, "N": 32, "H": 3, "D": 64}  # N: FLASH_ATTN wants a multiple of 16
-READABLE = ("2BNHD", "B2NHD")
 SKIPPED: dict[str, str] = {}
 
 
@@ -55,19 +51,14 @@ def _stride_order(backend: Any, rank: int) -> tuple[int, ...]:
 def contract(backend: Any) -> tuple[str, tuple[int, ...]] | None:
     """(physical letters, permutation physical -> logical) of ``backend``, or None when its
     logical shape is not one the harness reads per head (recorded in ``SKIPPED``)."""
-    letters = {2: "2", **{v: k for k, v in _PROBE.items()}}
-    try:
-        shape = backend.get_kv_cache_shape(_PROBE["B"], _PROBE["N"], _PROBE["H"],
-                                           _PROBE["D"])
-    except Exception as exc:
-        SKIPPED[backend.__name__] = f"get_kv_cache_shape: {type(exc).__name__}: {exc}"
-        return None
-    logical = "".join(letters.get(int(n), "?") for n in shape)  # "?": a packed dimension
-    if logical not in READABLE:
-        SKIPPED[backend.__name__] = f"logical shape {logical}"
+    from vllm_flagcx.compat.attention import declared_dims
+
+    logical = declared_dims(backend)  # what the connector itself reads
+    if logical is None:
+        SKIPPED[backend.__name__] = "get_kv_cache_shape declares no per-block K/V layout"
         return None
     try:
-        order = _stride_order(backend, len(shape))
+        order = _stride_order(backend, len(logical))
     except Exception as exc:  # recorded, not hidden: the test module lists SKIPPED
         SKIPPED[backend.__name__] = f"stride order: {type(exc).__name__}: {exc}"
         return None

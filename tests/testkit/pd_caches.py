@@ -24,6 +24,7 @@ class RankCaches:
     config: Any  # the rank's KVCacheConfig (per-rank specs)
     raw: list[torch.Tensor]
     caches: dict[str, Any]
+    attention_dims: str = "2BNHD"  # the attention caches' logical dimensions
 
 
 def rank_kv_cache_config(tp: int, num_blocks: int, repeats: int = 2,
@@ -106,6 +107,19 @@ ATTN_LAYOUTS = {
 }
 
 
+def declared_dims_of(layout: str) -> str:
+    """The logical dimensions (``compat.attention.declared_dims`` letters) of a layout."""
+    physical, perm = ATTN_LAYOUTS[layout]
+    return "".join(physical[i] for i in perm)
+
+
+def layout_declaring(dims: str | None, default: str = "flash_hnd") -> str:
+    """A layout of ``ATTN_LAYOUTS`` whose logical dimensions are ``dims`` (a backend's own
+    first), ``default`` when none is or ``dims`` is None."""
+    names = sorted(ATTN_LAYOUTS, key=lambda n: not n.startswith("backend:"))
+    return next((n for n in names if declared_dims_of(n) == dims), default)
+
+
 def _attention_cache(raw: Any, dtype: Any, nb: int, h: int, n: int, dim: int,
                      layout: str) -> Any:
     physical, perm = ATTN_LAYOUTS[layout]
@@ -142,6 +156,11 @@ def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1,
                 caches[name] = _attention_cache(raw, spec.dtype, nb * kernel_ratio,
                                                 spec.num_kv_heads, BLOCK // kernel_ratio,
                                                 spec.head_size, attn_layout)
+            elif declared_dims_of(attn_layout) == "2BHND":  # hybrid on CPU_ATTN: (2, B, H,
+                # N, D) over vLLM's blocks-first restride
+                h = spec.num_kv_heads
+                phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
+                caches[name] = phys.permute(1, 0, 2, 3, 4)
             elif attn_layout == "triton_nhd":  # hybrid, (B, 2, N, H, D) as declared: vLLM
                 # skips its restride for this family (already blocks-first)
                 h = spec.num_kv_heads
@@ -150,4 +169,7 @@ def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1,
                 h = spec.num_kv_heads
                 phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
                 caches[name] = phys.permute(1, 0, 3, 2, 4)  # logical (2, B, N, H, D)
-    return RankCaches(config, raws, caches)
+    dims = declared_dims_of(attn_layout)
+    if len(config.kv_cache_groups) > 1 and dims not in ("2BHND", "B2NHD"):
+        dims = "2BNHD"  # the hybrid restride's logical view
+    return RankCaches(config, raws, caches, dims)

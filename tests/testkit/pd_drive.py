@@ -95,12 +95,13 @@ def attention_block_bytes(inst: Instance, layer: str, block: int) -> Any:
     """(2, H_global, N, D) bytes of one attention block, gathered over the ranks."""
     parts = [None] * KV_HEADS
     for rank, caches in enumerate(inst.ranks):
-        cache = caches.caches[layer]
-        # (2, N, H_l, D) from either family: (2, B, ...) or (B, 2, ...)
-        t = cache[:, block] if cache.shape[0] == 2 else cache[block]
+        cache, dims = caches.caches[layer], caches.attention_dims
+        # one block, (2, N, H_l, D) or (2, H_l, N, D), whichever dims the layout declares
+        t = cache.select(dims.index("B"), block)
+        heads_dim = dims.replace("B", "").index("H")
         lo, hi = head_range(rank, inst.tp, KV_HEADS)
         for h in range(lo, hi):
-            parts[h] = t[:, :, h - lo].contiguous().view(torch.uint8).numpy()
+            parts[h] = t.select(heads_dim, h - lo).contiguous().view(torch.uint8).numpy()
     return np.stack(parts, axis=1)
 
 

@@ -19,7 +19,9 @@ from testkit.pd_caches import (
     VALUE_DIM,
     RankCaches,
     allocate,
+    declared_dims_of,
     dense_rank_kv_cache_config,
+    layout_declaring,
     mla_rank_kv_cache_config,
     rank_kv_cache_config,
     sliding_rank_kv_cache_config,
@@ -200,6 +202,13 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
         rank_config = rank_kv_cache_config(tp, num_blocks, conv_layout=conv_layout)
     else:
         rank_config = dense_rank_kv_cache_config(tp, num_blocks, dtype=dtype)
+    if via_entry:  # the connector reads the dims of this platform's backend: match them
+        from vllm_flagcx.compat.attention import layer_attention_dims
+
+        names = [n for g in rank_config.kv_cache_groups for n in g.layer_names
+                 if kv_cache.spec_kind(g.kv_cache_spec) in (kv_cache.SpecKind.FULL_ATTENTION,
+                                                            kv_cache.SpecKind.SLIDING_WINDOW)]
+        attn_layout = layout_declaring(layer_attention_dims(config, names), attn_layout)
     ranks = [allocate(rank_config, conv_layout, seed * 100 + r, kernel_ratio, attn_layout)
              for r in range(tp)]
     if model == "mla":  # the latent is the same on every rank
@@ -227,8 +236,13 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                        ("v", VALUE_DIM // tp, VALUE_DIM)))
     workers = []
     for rank, caches in enumerate(ranks):
+        # what the backend of these caches declares, as the product reads it from vLLM
+        dims = {i: declared_dims_of(attn_layout)
+                for i, g in enumerate(caches.config.kv_cache_groups)
+                if kv_cache.spec_kind(g.kv_cache_spec) in (kv_cache.SpecKind.FULL_ATTENTION,
+                                                           kv_cache.SpecKind.SLIDING_WINDOW)}
         regions = kv_layout.regions_for_kv_caches(caches.caches, caches.config, tp, KV_HEADS,
-                                                  conv_layout, split)
+                                                  conv_layout, split, dims)
         groups = kv_cache.group_facts(caches.config)
         layout = hs.LayoutFacts(
             model=model, dtype="bfloat16", kv_cache_dtype=str(dtype).removeprefix("torch."),

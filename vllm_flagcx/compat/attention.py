@@ -153,3 +153,42 @@ def _stride_order(backend: Any) -> str | None:
         return ",".join(str(i) for i in get())
     except (NotImplementedError, TypeError):
         return None
+
+
+# Distinct sizes, so that the shape a backend declares names each of its dimensions.
+_CONTRACT_PROBE = {"B": 1009, "N": 32, "H": 3, "D": 64}  # N: FLASH_ATTN wants 16 | N
+ATTENTION_DIMS = frozenset({"2BNHD", "B2NHD", "2BHND", "B2HND"})
+
+
+def declared_dims(backend: Any) -> str | None:
+    """The logical dimensions of ``backend``'s KV cache, from its own
+    ``get_kv_cache_shape``: a string over 2 (K/V), B (blocks), N (tokens), H (heads),
+    D (head size), e.g. "2BNHD" (FLASH_ATTN), "B2NHD" (TRITON_ATTN, FLASHINFER), "2BHND"
+    (CPU_ATTN). None when the backend declares something else (a packed or MLA cache) or
+    cannot be asked; the caller then falls back to reading shapes, and says so."""
+    get = getattr(backend, "get_kv_cache_shape", None)
+    if get is None:
+        return None
+    p = _CONTRACT_PROBE
+    try:
+        shape = get(p["B"], p["N"], p["H"], p["D"])
+    except Exception:  # a signature or a size this build's backend refuses
+        return None
+    letters = {2: "2", **{size: name for name, size in p.items()}}
+    dims = "".join(letters.get(int(n), "?") for n in shape)
+    return dims if dims in ATTENTION_DIMS else None
+
+
+def layer_attention_dims(vllm_config: Any, layer_names: list[str]) -> str | None:
+    """``declared_dims`` of the one backend these layers run on; None when they run on
+    several, or it cannot be read (logged: regions then come from the tensor's shape)."""
+    try:
+        backends = current_attn_backends(vllm_config, layer_names)
+    except Exception as exc:  # a vendor build without a readable backend
+        logging.getLogger("vllm_flagcx").warning(
+            "FlagCXConnector: the attention backend of %s could not be read (%s: %s); K/V "
+            "regions come from the cache tensors' shapes", layer_names[:1],
+            type(exc).__name__, exc)
+        return None
+    dims = {declared_dims(b) for b in backends}
+    return dims.pop() if len(dims) == 1 else None

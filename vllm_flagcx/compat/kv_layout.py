@@ -3,11 +3,14 @@
 The only place that knows how each release lays KV memory out (the connector's region
 functions take plain numbers):
 
-* <= 0.22 attention: 5-d ``(2, num_blocks, ...)`` (FLASH_ATTN family) or
-  ``(num_blocks, 2, ...)`` (FLASHINFER, TRITON_ATTN; ``kv_dimension``). Layer-first (the
-  K/V dimension strides outermost) gives two regions; otherwise (vLLM's hybrid restride,
-  or the second family) the layout is blocks-first, K and V inside each block. Heads must
-  be the outer dimension inside a block (HND) to be sliced for heterogeneous TP.
+* <= 0.22 attention: 5-d, its dimensions named by the backend's own
+  ``get_kv_cache_shape`` (``compat.attention.declared_dims``: "2BNHD" FLASH_ATTN family,
+  "B2NHD" FLASHINFER/TRITON_ATTN, "2BHND" CPU_ATTN); where no backend can be read, the
+  shape families ``(2, num_blocks, ...)`` / ``(num_blocks, 2, ...)`` (``kv_dimension``).
+  Layer-first (the K/V dimension strides outermost) gives two regions; otherwise (vLLM's
+  hybrid restride, or the second family) the layout is blocks-first, K and V inside each
+  block. Heads must be the outer dimension inside a block (HND) to be sliced for
+  heterogeneous TP.
 * <= 0.22 Mamba: a list ``[conv, ssm]`` of views into one page: conv at 0, ssm right after.
 * MLA: 3-d ``(num_blocks, block_size, head_size)``, one region.
 * 0.34: every attention layer is one ``[B, H, N, C]`` tensor with K||V in C; a Mamba layer
@@ -41,16 +44,36 @@ def kv_dimension(shape: tuple[int, ...], name: str) -> int:
                         "dimension is ambiguous; give the engine more KV cache blocks")
 
 
+def _block_dims(cache: Any, name: str, dims: str | None) -> tuple[int, int, int]:
+    """(K/V dimension, tokens and heads dimensions of one of K or V) of a 5-d cache: from
+    the backend's declared ``dims`` when known, else from the shape (the (2, B, N, H, D)
+    and (B, 2, N, H, D) families)."""
+    if dims is None:
+        return kv_dimension(tuple(int(n) for n in cache.shape), name), 1, 2
+    inner = dims.replace("2", "")
+    if inner[0] != "B":
+        raise R.RegionError(f"{name}: the backend declares dimensions {dims}; only layouts "
+                            "with blocks outside K/V can be moved per block")
+    return dims.index("2"), inner.index("N"), inner.index("H")
+
+
 def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
-                      total_kv_heads: int) -> list[R.Region]:
+                      total_kv_heads: int, dims: str | None = None) -> list[R.Region]:
+    """K/V regions of one attention layer. ``dims``: what its backend declares
+    (``compat.attention.declared_dims``); without it the 5-d shape families are read."""
     kind = spec_kind(spec).value
-    if cache.dim() == 5 and 2 in (int(cache.shape[0]), int(cache.shape[1])):
-        kv_dim = kv_dimension(tuple(int(n) for n in cache.shape), name)
-        # logical (B, N, H, D) each; HND when heads stride outermost inside a block
+    if cache.dim() == 5 and (dims is not None or 2 in (int(cache.shape[0]),
+                                                       int(cache.shape[1]))):
+        kv_dim, tokens_dim, heads_dim = _block_dims(cache, name, dims)
+        # K and V: (B, N, H, D) or (B, H, N, D) each; HND when heads stride outermost
+        # inside a block
         k, v = cache.select(kv_dim, 0), cache.select(kv_dim, 1)
         heads = int(spec.num_kv_heads)
-        hnd = k.dim() == 4 and k.stride(2) > k.stride(1)
-        head_bytes = (_nbytes_stride(k, 2) if hnd
+        if int(k.shape[heads_dim]) != heads:
+            raise R.RegionError(f"{name}: dimension {heads_dim} of K has {k.shape[heads_dim]}"
+                                f" entries, the spec {heads} KV heads (dims {dims})")
+        hnd = k.stride(heads_dim) > k.stride(tokens_dim)
+        head_bytes = (_nbytes_stride(k, heads_dim) if hnd
                       else int(k[0].numel() * k.element_size()) // heads)
         # NHD (heads inside each token): moves whole blocks only, so between equal TP
         # sizes; a peer with another TP size is refused by the section name.
@@ -134,8 +157,11 @@ def mamba_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
 
 def regions_for_kv_caches(kv_caches: dict[str, Any], kv_cache_config: Any, tp_size: int,
                           total_kv_heads: int, conv_layout: str,
-                          conv_split: R.ConvSplit | None = None) -> list[R.Region]:
-    """Regions of every layer vLLM registered, in KV cache group order."""
+                          conv_split: R.ConvSplit | None = None,
+                          attention_dims: dict[int, str | None] | None = None
+                          ) -> list[R.Region]:
+    """Regions of every layer vLLM registered, in KV cache group order.
+    ``attention_dims``: per attention group, what its backend declares."""
     out: list[R.Region] = []
     for group_index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -149,5 +175,6 @@ def regions_for_kv_caches(kv_caches: dict[str, Any], kv_cache_config: Any, tp_si
                 out += mla_regions(name, cache, spec, group_index)
             else:
                 out += attention_regions(name, cache, spec, group_index, tp_size,
-                                         total_kv_heads)
+                                         total_kv_heads,
+                                         (attention_dims or {}).get(group_index))
     return out

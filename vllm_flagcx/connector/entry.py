@@ -248,12 +248,18 @@ class FlagCXConnector(PortableConnectorBase):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm_flagcx.compat import kv_layout
         from vllm_flagcx.compat import mamba as compat_mamba
+        from vllm_flagcx.compat.attention import layer_attention_dims
 
         model = self._vllm_config.model_config
+        attention_dims = {
+            i: layer_attention_dims(self._vllm_config, list(g.layer_names))
+            for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
+            if compat_kv.spec_kind(g.kv_cache_spec) in (SpecKind.FULL_ATTENTION,
+                                                        SpecKind.SLIDING_WINDOW)}
         regions = kv_layout.regions_for_kv_caches(
             kv_caches, self.kv_cache_config, self.tp_size, model.get_total_num_kv_heads(),
             compat_mamba.conv_state_layout(),
-            compat_config.gdn_conv_split(model.hf_config, self.tp_size))
+            compat_config.gdn_conv_split(model.hf_config, self.tp_size), attention_dims)
         first = next(iter(kv_caches.values()))
         first = first[0] if isinstance(first, (list, tuple)) else first
         self.worker = self._make_worker(regions, host_memory=first.device.type == "cpu")
