@@ -94,3 +94,20 @@ def test_cache_format_names_the_cpu_isa_so_an_amx_vec_pair_is_refused(monkeypatc
     assert "cache_format" in message and vec in message and amx in message
     assert "decode-engine" in message and "prefill-engine" in message
     hs.check_compatible(sheet(vec, "decode-engine"), sheet(vec, "prefill-engine"))
+
+
+def test_cache_format_carries_the_dimensions_the_backend_declares():
+    """The handshake's layout facts name what regions were read from: the backend's own
+    declared dimensions (two sides whose backends declare other dimensions are refused at
+    the handshake by the cache_format comparison, before any plan)."""
+    from vllm_flagcx.compat.attention import cache_format, current_attn_backends, declared_dims
+
+    config = harness.make_vllm_config(block_size=32)
+    layers = ["model.layers.0.self_attn.attn"]
+    fmt = cache_format(config, layers, 32, 64)
+    declared = {declared_dims(b) for b in current_attn_backends(config, layers)} - {None}
+    if not declared:
+        pytest.skip(f"this build's backend declares no per-block K/V layout ({fmt})")
+    for dims in declared:
+        assert f"dims={dims}" in fmt
+        assert set(dims) == set("2BNHD")

@@ -92,7 +92,8 @@ def required_kv_layout_name(is_mla: bool) -> str | None:
 def cache_format(vllm_config: Any, layer_names: list[str], block_size: int, head_size: int
                  ) -> str:
     """The attention kernel's storage format of these layers, as one comparable string:
-    ``BACKEND[:isa=...][:stride=...][:layout=...]`` per distinct backend, "+"-joined.
+    ``BACKEND[:isa=...][:stride=...][:dims=...][:layout=...]`` per distinct backend,
+    "+"-joined (``dims``: the logical dimensions it declares, ``declared_dims``).
 
     What it captures that tensor shapes do not: vLLM's CPU attention picks an ISA per
     machine (``amx`` pre-packs the cache: same shape, other byte order; ``vec``,
@@ -125,6 +126,9 @@ def cache_format(vllm_config: Any, layer_names: list[str], block_size: int, head
         order = _stride_order(backend)
         if order:
             details.append(f"stride={order}")
+        dims = declared_dims(backend)
+        if dims:
+            details.append(f"dims={dims}")
         details.append(f"layout={layout}")
         parts.add(":".join(details))
     return "+".join(sorted(parts)) or "unknown"
