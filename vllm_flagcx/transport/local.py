@@ -14,7 +14,7 @@ import ctypes
 import errno
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -57,19 +57,25 @@ def _device_table(ranges: tuple[_DeviceRange, ...] | list[_DeviceRange]) -> Rang
     return RangeTable((r.addr, r.addr + r.size) for r in ranges)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # compared and hashed by identity, as a connection handle
 class _Peer:
+    """A connected peer: its ranges as lookup tables, and per device range what to add to
+    a peer address to get this process's IPC mapping of it (mod 2**64), filled in when
+    that range's handle is first opened."""
+
     pid: int
     ranges: tuple[tuple[int, int], ...]
     device_ranges: tuple[_DeviceRange, ...] = ()
+    table: RangeTable = field(init=False)
+    device_table: RangeTable = field(init=False)
+    deltas: np.ndarray = field(init=False)
+    opened: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "table", RangeTable(self.ranges))
-        object.__setattr__(self, "device_table", _device_table(self.device_ranges))
-        # Per device range: what to add to a peer address to get this process's mapping
-        # of it (mod 2**64), filled in when the range's IPC handle is first opened.
-        object.__setattr__(self, "deltas", np.zeros(len(self.device_ranges), np.uint64))
-        object.__setattr__(self, "opened", np.zeros(len(self.device_ranges), bool))
+        self.table = RangeTable(self.ranges)
+        self.device_table = _device_table(self.device_ranges)
+        self.deltas = np.zeros(len(self.device_ranges), np.uint64)
+        self.opened = np.zeros(len(self.device_ranges), bool)
 
 
 class LocalTransport(Transport):
@@ -134,7 +140,7 @@ class LocalTransport(Transport):
             return self._write_device(peer, src, dst, length)
         if not RangeTable(self.ranges).holds(src, length):
             return WriteResult(False, "source outside this process's registered memory")
-        if not peer.table.holds(dst, length):  # type: ignore[attr-defined]
+        if not peer.table.holds(dst, length):
             return WriteResult(False, f"destination outside the memory pid {peer.pid} "
                                       "registered")
         total = 0
@@ -155,11 +161,11 @@ class LocalTransport(Transport):
         cuda = cuda_ipc.driver()
         if not _device_table(self.device_ranges).holds(src, length):
             return WriteResult(False, "source outside this process's registered GPU memory")
-        where = peer.device_table.index(dst, length)  # type: ignore[attr-defined]
+        where = peer.device_table.index(dst, length)
         if np.any(where == OUTSIDE):
             return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
                                       "registered")
-        deltas, opened = peer.deltas, peer.opened  # type: ignore[attr-defined]
+        deltas, opened = peer.deltas, peer.opened
         try:
             needed = np.bincount(where, minlength=len(peer.device_ranges)) > 0
             for k in np.flatnonzero(needed & ~opened):
