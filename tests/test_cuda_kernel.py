@@ -57,3 +57,25 @@ def test_checksum_goes_through_the_given_reader():
     assert integrity.checksum([(10, 4), (200, 8)], reader) == zlib.crc32(
         bytes(range(200, 208)), zlib.crc32(bytes(range(10, 14))))
     assert seen == [(10, 4), (200, 8)]
+
+
+def test_per_thread_buffers_grow_never_shrink_and_free_the_old_one():
+    """The descriptor table and its pinned staging share one grow rule (checked here
+    without a GPU: ``_grown`` takes the allocator)."""
+    import threading
+
+    copy = object.__new__(cuda_kernel.BatchedCopy)
+    copy._local = threading.local()
+    allocated, freed = [], []
+
+    def alloc(capacity):
+        allocated.append(capacity)
+        return 1000 + len(allocated)
+
+    assert copy._grown("t", 10, alloc, freed.append) == 1001
+    assert allocated == [1 << 16]  # the floor
+    assert copy._grown("t", 1 << 16, alloc, freed.append) == 1001 and not freed
+    assert copy._grown("t", (1 << 16) + 1, alloc, freed.append) == 1002
+    assert allocated[-1] == 1 << 17 and freed == [1001]  # doubled, old one released
+    assert copy._grown("t", 5, alloc, freed.append) == 1002  # never shrinks
+    assert copy._grown("other", 5, alloc, freed.append) == 1003  # buffers are separate

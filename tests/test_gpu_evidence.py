@@ -49,3 +49,12 @@ def test_divergence_counts_a_token_only_one_run_lists_by_its_lower_bound():
     assert abs(evidence.divergence(pd, mono, 0)[0] - 2.005) < 1e-9
     same = _run(["a"], [{"a": -1.0, "b": -3.0}])
     assert evidence.divergence(same, same, 0) == [0.0]
+
+
+def test_until_parting_measures_up_to_the_first_difference_or_over_everything():
+    pd = _run(["a", "b", "c"], [{"a": -1.0}, {"b": -1.0}, {"c": -1.0}])
+    mono = _run(["a", "x", "c"], [{"a": -1.5}, {"x": -1.0}, {"c": -1.0}])
+    diff, measured = evidence.until_parting(pd, mono, evidence.drift)
+    assert diff["index"] == 1 and measured == [0.5, float("inf")]
+    diff, measured = evidence.until_parting(pd, pd, evidence.drift)
+    assert diff is None and measured == [0.0, 0.0, 0.0]

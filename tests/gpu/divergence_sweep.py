@@ -48,9 +48,7 @@ def _row(d, ids: list[int]) -> dict:
         return {"L": len(ids), "error": f"{pd.status_code} {pd.text[:200]} / "
                                         f"{mono.status_code} {mono.text[:200]}"}
     a, b = pd.json()["choices"][0], mono.json()["choices"][0]
-    diff = evidence.first_difference(a, b)
-    upto = diff["index"] if diff else len(a["logprobs"]["tokens"]) - 1
-    drift = evidence.drift(a, b, upto)
+    diff, drift = evidence.until_parting(a, b, evidence.drift)
     jump = next((i for i, x in enumerate(drift) if x > JUMP_NATS), None)
     return {"L": len(ids), "equal": a["text"] == b["text"],
             "first_index": diff["index"] if diff else None,

@@ -8,9 +8,11 @@ Pure functions over the OpenAI completions ``logprobs`` objects (``tokens``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-BF16_ULP_AT_4 = 2.0 ** -6  # bf16 spacing of numbers in [2, 4): logprobs of a flat toy head
+Measure = Callable[[dict[str, Any], dict[str, Any], int], list[float]]
+
 
 
 def first_difference(pd: dict[str, Any], mono: dict[str, Any]) -> dict[str, Any] | None:
@@ -71,3 +73,12 @@ def divergence(pd: dict[str, Any], mono: dict[str, Any], upto: int) -> list[floa
                 worst = max(worst, b[token] - floor_a)
         out.append(worst)
     return out
+
+
+def until_parting(pd: dict[str, Any], mono: dict[str, Any], measure: Measure
+                  ) -> tuple[dict[str, Any] | None, list[float]]:
+    """(``first_difference``, ``measure`` per position up to and including where the two
+    completions part, or over all positions when they never do)."""
+    diff = first_difference(pd, mono)
+    upto = diff["index"] if diff else len(pd["logprobs"]["tokens"]) - 1
+    return diff, measure(pd, mono, upto)

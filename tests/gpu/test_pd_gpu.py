@@ -166,11 +166,9 @@ def _monolithic_batch_variance(d: Any, rows: list[dict[str, Any]]) -> list[dict[
     out = []
     for r, answer in zip(rows, answers, strict=False):
         batched = answer.json()["choices"][0]
-        diff = evidence.first_difference(batched, r["mono"])
-        upto = diff["index"] if diff else len(batched["logprobs"]["tokens"]) - 1
+        diff, drift = evidence.until_parting(batched, r["mono"], evidence.drift)
         out.append({"prompt": r["prompt"], "equal": batched["text"] == r["mono"]["text"],
-                    "first_difference": diff,
-                    "drift_per_position": evidence.drift(batched, r["mono"], upto)})
+                    "first_difference": diff, "drift_per_position": drift})
     return out
 
 
@@ -192,12 +190,6 @@ def test_negative_control_corrupted_or_missing_kv_changes_the_answer(pairs, case
     _report(case, "negative_control", "passed")
 
 
-def _drift_until_parting(pd: dict[str, Any], mono: dict[str, Any]) -> tuple[Any, list[float]]:
-    diff = evidence.first_difference(pd, mono)
-    upto = diff["index"] if diff else len(pd["logprobs"]["tokens"]) - 1
-    return diff, evidence.divergence(pd, mono, upto)
-
-
 @pytest.mark.parametrize("case", BF16_HYBRID)
 def test_bf16_hybrid_differences_are_rounding(pairs, case):
     """Until PD's greedy tokens part from the monolithic ones (and at the parting), the
@@ -207,7 +199,7 @@ def test_bf16_hybrid_differences_are_rounding(pairs, case):
     d = _pair(pairs, case)
     rows = _compare(d)
     _report(case, "monolithic_batch_variance", _monolithic_batch_variance(d, rows))
-    parted = [_drift_until_parting(r["pd"], r["mono"]) for r in rows]
+    parted = [evidence.until_parting(r["pd"], r["mono"], evidence.divergence) for r in rows]
     _report(case, "prompts", _summary(rows))
     _report(case, "first_differences", [diff for diff, _ in parted if diff is not None])
     _report(case, "drift_per_position", [drift for _, drift in parted])
@@ -247,12 +239,12 @@ def test_bf16_hybrid_corrupted_block_drifts_beyond_rounding(pairs, case):
         if r.status_code != 200:
             seen.append({"prompt": prompt[:40], "failed": r.status_code})
             continue
-        diff, drift = _drift_until_parting(r.json()["choices"][0], mono)
+        corrupted = r.json()["choices"][0]
+        diff, drift = evidence.until_parting(corrupted, mono, evidence.divergence)
         typical = evidence.typical_drift(drift)
         seen.append({"prompt": prompt[:40], "typical": typical, "drift": drift,
                      "parted_at": diff["index"] if diff else None, "first_difference": diff,
-                     "old_drift": evidence.drift(r.json()["choices"][0], mono,
-                                                 diff["index"] if diff else 0)})
+                     "old_drift": evidence.until_parting(corrupted, mono, evidence.drift)[1]})
     _report(case, "corrupted_block_drift", seen)
     engines.wait_idle(d.prefill)
     engines.wait_idle(d.decode)

@@ -133,6 +133,11 @@ def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1,
     gen = torch.Generator().manual_seed(seed)
     specs = {n: g.kv_cache_spec for g in config.kv_cache_groups for n in g.layer_names}
     raws, caches = [], {}
+    # the attention caches' logical dimensions; a hybrid views its pages blocks-first:
+    # as declared for CPU_ATTN and the NHD family, restrided to (2, B, N, H, D) otherwise
+    dims = declared_dims_of(attn_layout)
+    if len(config.kv_cache_groups) > 1 and attn_layout != "triton_nhd" and dims != "2BHND":
+        dims = "2BNHD"
     for size, names in kv_cache.kv_cache_tensors(config):
         raw = torch.randint(-128, 127, (size,), dtype=torch.int8, generator=gen)
         raws.append(raw)
@@ -156,8 +161,8 @@ def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1,
                 caches[name] = _attention_cache(raw, spec.dtype, nb * kernel_ratio,
                                                 spec.num_kv_heads, BLOCK // kernel_ratio,
                                                 spec.head_size, attn_layout)
-            elif declared_dims_of(attn_layout) == "2BHND":  # hybrid on CPU_ATTN: (2, B, H,
-                # N, D) over vLLM's blocks-first restride
+            elif dims == "2BHND":  # hybrid on CPU_ATTN: (2, B, H, N, D) over vLLM's
+                # blocks-first restride
                 h = spec.num_kv_heads
                 phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
                 caches[name] = phys.permute(1, 0, 2, 3, 4)
@@ -169,7 +174,4 @@ def allocate(config: Any, conv_layout: str, seed: int, kernel_ratio: int = 1,
                 h = spec.num_kv_heads
                 phys = raw.view(torch.bfloat16).view(nb, 2, h, BLOCK, HEAD_DIM)
                 caches[name] = phys.permute(1, 0, 3, 2, 4)  # logical (2, B, N, H, D)
-    dims = declared_dims_of(attn_layout)
-    if len(config.kv_cache_groups) > 1 and dims not in ("2BHND", "B2NHD"):
-        dims = "2BNHD"  # the hybrid restride's logical view
     return RankCaches(config, raws, caches, dims)

@@ -205,9 +205,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
     if via_entry:  # the connector reads the dims of this platform's backend: match them
         from vllm_flagcx.compat.attention import layer_attention_dims
 
-        names = [n for g in rank_config.kv_cache_groups for n in g.layer_names
-                 if kv_cache.spec_kind(g.kv_cache_spec) in (kv_cache.SpecKind.FULL_ATTENTION,
-                                                            kv_cache.SpecKind.SLIDING_WINDOW)]
+        names = [n for _, g in kv_cache.attention_groups(rank_config) for n in g.layer_names]
         attn_layout = layout_declaring(layer_attention_dims(config, names), attn_layout)
     ranks = [allocate(rank_config, conv_layout, seed * 100 + r, kernel_ratio, attn_layout)
              for r in range(tp)]
@@ -238,9 +236,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
     for rank, caches in enumerate(ranks):
         # what the backend of these caches declares, as the product reads it from vLLM
         dims = {i: declared_dims_of(attn_layout)
-                for i, g in enumerate(caches.config.kv_cache_groups)
-                if kv_cache.spec_kind(g.kv_cache_spec) in (kv_cache.SpecKind.FULL_ATTENTION,
-                                                           kv_cache.SpecKind.SLIDING_WINDOW)}
+                for i, _ in kv_cache.attention_groups(caches.config)}
         regions = kv_layout.regions_for_kv_caches(caches.caches, caches.config, tp, KV_HEADS,
                                                   conv_layout, split, dims)
         groups = kv_cache.group_facts(caches.config)

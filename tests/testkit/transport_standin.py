@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_flagcx.transport.address_ranges import RangeTable
 from vllm_flagcx.transport.base import Transport, TransportError, WriteResult
 
 _ENDPOINTS: dict[bytes, MemmoveTransport] = {}
@@ -67,13 +68,6 @@ class MemmoveTransport(Transport):
             raise TransportError(f"no endpoint {peer!r}")
         return endpoint
 
-    @staticmethod
-    def _inside(ranges: list[tuple[int, int]], start: np.ndarray, end: np.ndarray) -> bool:
-        ok = np.zeros(start.shape, dtype=bool)
-        for lo, hi in ranges:
-            ok |= (start >= lo) & (end <= hi)
-        return bool(ok.all())
-
     def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
               length: np.ndarray) -> WriteResult:
         with _lock:
@@ -86,9 +80,9 @@ class MemmoveTransport(Transport):
             return WriteResult(False, f"write {index} failed (fault knob)")
         peer: MemmoveTransport = handle  # type: ignore[assignment]
         src, dst, length = (a.astype(np.int64) for a in (src, dst, length))
-        if not self._inside(self.ranges, src, src + length):
+        if not RangeTable(self.ranges).holds(src, length):
             return WriteResult(False, "source outside registered memory")
-        if not self._inside(peer.ranges, dst, dst + length):
+        if not RangeTable(peer.ranges).holds(dst, length):
             return WriteResult(False, "destination outside the peer's registered memory")
         if f.silent_skip_from is not None and index >= f.silent_skip_from:
             return WriteResult(True, "", int(length.sum()))  # the lie FlagCX can tell

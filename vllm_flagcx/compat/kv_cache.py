@@ -66,6 +66,15 @@ def mamba_type_name(spec_or_value: Any) -> str:
     return MAMBA_ENUM_TO_NAME.get(name, name.lower())
 
 
+def attention_groups(kv_cache_config: Any) -> list[tuple[int, Any]]:
+    """(index, group) of the groups whose layers hold K/V attention caches (full or
+    sliding window; not MLA latents, not Mamba state): the ones a backend's declared
+    dimensions describe."""
+    return [(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            if spec_kind(g.kv_cache_spec) in (SpecKind.FULL_ATTENTION,
+                                              SpecKind.SLIDING_WINDOW)]
+
+
 def kv_cache_tensors(kv_cache_config: Any) -> list[tuple[int, list[str]]]:
     """(size, layer names) for each backing tensor of a ``KVCacheConfig``."""
     out = []

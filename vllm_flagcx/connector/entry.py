@@ -253,9 +253,7 @@ class FlagCXConnector(PortableConnectorBase):
         model = self._vllm_config.model_config
         attention_dims = {
             i: layer_attention_dims(self._vllm_config, list(g.layer_names))
-            for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
-            if compat_kv.spec_kind(g.kv_cache_spec) in (SpecKind.FULL_ATTENTION,
-                                                        SpecKind.SLIDING_WINDOW)}
+            for i, g in compat_kv.attention_groups(self.kv_cache_config)}
         regions = kv_layout.regions_for_kv_caches(
             kv_caches, self.kv_cache_config, self.tp_size, model.get_total_num_kv_heads(),
             compat_mamba.conv_state_layout(),

@@ -152,36 +152,44 @@ class BatchedCopy:
                                       KERNEL_NAME), "cuModuleGetFunction")
         self._local = threading.local()
 
-    def _table(self, nbytes: int) -> int:
-        """A device buffer of at least ``nbytes`` for this thread (grown, never shrunk)."""
-        have = getattr(self._local, "capacity", 0)
+    def _grown(self, name: str, nbytes: int, alloc: Any, free: Any) -> int:
+        """This thread's buffer ``name``, grown (never shrunk) to at least ``nbytes``:
+        ``alloc(capacity)`` gives its address, ``free(address)`` releases the old one."""
+        have = getattr(self._local, f"{name}_bytes", 0)
         if have < nbytes:
             if have:
-                self._lib.cuMemFree_v2(ctypes.c_uint64(self._local.table))
+                free(getattr(self._local, name))
             capacity = max(nbytes, 1 << 16, 2 * have)
+            setattr(self._local, name, alloc(capacity))
+            setattr(self._local, f"{name}_bytes", capacity)
+        return int(getattr(self._local, name))
+
+    def _table(self, nbytes: int) -> int:
+        """A device buffer of at least ``nbytes`` for this thread."""
+        def alloc(capacity: int) -> int:
             ptr = ctypes.c_uint64(0)
             self._check(self._lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(capacity)),
                         "cuMemAlloc (descriptor table)")
-            self._local.table, self._local.capacity = ptr.value, capacity
-        return self._local.table
+            return ptr.value
+
+        return self._grown("table", nbytes, alloc,
+                           lambda old: self._lib.cuMemFree_v2(ctypes.c_uint64(old)))
 
     def _staging(self, words: int) -> np.ndarray:
         """A page-locked host array of ``words`` uint64 for this thread: the table's
         upload is then a DMA, not a staged pageable copy (~50 us for 20,910 descriptors).
         Reused by the next ``run`` on this thread, which comes after the caller
         synchronised this one."""
-        have = getattr(self._local, "pinned_words", 0)
-        if have < words:
-            if have:
-                self._lib.cuMemFreeHost(ctypes.c_void_p(self._local.pinned))
-            capacity = max(words, 1 << 13, 2 * have)
+        def alloc(capacity: int) -> int:
             ptr = ctypes.c_void_p(0)
-            self._check(self._lib.cuMemHostAlloc(ctypes.byref(ptr),
-                                                 ctypes.c_size_t(capacity * 8), 0),
+            self._check(self._lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(capacity),
+                                                 0),
                         "cuMemHostAlloc (descriptor table staging)")
-            self._local.pinned, self._local.pinned_words = ptr.value, capacity
-        buffer = (ctypes.c_uint64 * words).from_address(self._local.pinned)
-        return np.ctypeslib.as_array(buffer)
+            return int(ptr.value or 0)
+
+        address = self._grown("pinned", words * 8, alloc,
+                              lambda old: self._lib.cuMemFreeHost(ctypes.c_void_p(old)))
+        return np.ctypeslib.as_array((ctypes.c_uint64 * words).from_address(address))
 
     def run(self, stream: ctypes.c_void_p, dst: np.ndarray, src: np.ndarray,
             length: np.ndarray) -> None:
@@ -192,7 +200,7 @@ class BatchedCopy:
         host[:n], host[n:2 * n], host[2 * n:] = dst, src, length
         table = self._table(host.nbytes)
         self._check(self._lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(table),
-                                                   ctypes.c_void_p(self._local.pinned),
+                                                   ctypes.c_void_p(host.ctypes.data),
                                                    ctypes.c_size_t(host.nbytes), stream),
                     "cuMemcpyHtoDAsync (descriptor table)")
         split, rows = launch_shape(n, int(length.max()))

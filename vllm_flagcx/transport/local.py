@@ -99,6 +99,8 @@ class LocalTransport(Transport):
             ctypes.c_ulong, ctypes.c_ulong]
         self.ranges: list[tuple[int, int]] = []
         self.device_ranges: list[_DeviceRange] = []
+        # lookup tables of the two lists, rebuilt by register (not per write)
+        self._table, self._device_table = RangeTable(()), RangeTable(())
 
     def register(self, address: int, size: int) -> None:
         if address <= 0 or size <= 0:
@@ -111,8 +113,10 @@ class LocalTransport(Transport):
             raise TransportError(f"register({address:#x}, {size}): {exc}") from exc
         if device is not None:
             self.device_ranges += [_DeviceRange(**piece) for piece in device]
+            self._device_table = _device_table(self.device_ranges)
         else:
             self.ranges.append((address, address + size))
+            self._table = RangeTable(self.ranges)
 
     def describe(self) -> bytes:
         return msgspec.msgpack.encode(_Description(host_id(), os.getpid(), tuple(self.ranges),
@@ -138,7 +142,7 @@ class LocalTransport(Transport):
             return WriteResult(True)
         if peer.device_ranges and self.device_ranges:
             return self._write_device(peer, src, dst, length)
-        if not RangeTable(self.ranges).holds(src, length):
+        if not self._table.holds(src, length):
             return WriteResult(False, "source outside this process's registered memory")
         if not peer.table.holds(dst, length):
             return WriteResult(False, f"destination outside the memory pid {peer.pid} "
@@ -159,7 +163,7 @@ class LocalTransport(Transport):
         from vllm_flagcx.transport import cuda_ipc
 
         cuda = cuda_ipc.driver()
-        if not _device_table(self.device_ranges).holds(src, length):
+        if not self._device_table.holds(src, length):
             return WriteResult(False, "source outside this process's registered GPU memory")
         where = peer.device_table.index(dst, length)
         if np.any(where == OUTSIDE):
