@@ -46,3 +46,25 @@ def test_a_worker_bound_to_its_whole_container_gets_no_hint(tmp_path):
     assert cpu_binding_warning({10, 11}, allowed_cpus((cpuset,)), None, True) is None
     assert cpu_binding_warning({10, 11}, set(range(64)), None, True) is not None
     assert cpu_binding_warning({10}, allowed_cpus((cpuset,)), None, True) is not None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_registration_logs_the_hint_for_a_worker_pinned_to_a_shared_core(monkeypatch, caplog):
+    """The wiring the worker's setup runs at registration: pinned to 1 of 4 allowed CPUs
+    under vLLM's automatic binding, a CPU worker logs the hint; GPU memory, or an explicit
+    binding, logs nothing."""
+    from vllm_flagcx.connector import host_cpus, worker_setup
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(host_cpus, "allowed_cpus", lambda *a: {0, 1, 2, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with caplog.at_level("WARNING", logger="vllm_flagcx"):
+        worker_setup.warn_on_cpu_binding(host_memory=False)
+        assert not caplog.records
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+        worker_setup.warn_on_cpu_binding(host_memory=True)
+        assert not caplog.records
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+        worker_setup.warn_on_cpu_binding(host_memory=True)
+    assert len(caplog.records) == 1
+    assert "bound to CPUs [0] of 4" in caplog.records[0].getMessage()

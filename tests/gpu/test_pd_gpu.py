@@ -166,9 +166,10 @@ def _monolithic_batch_variance(d: Any, rows: list[dict[str, Any]]) -> list[dict[
     out = []
     for r, answer in zip(rows, answers, strict=False):
         batched = answer.json()["choices"][0]
-        diff, drift = evidence.until_parting(batched, r["mono"], evidence.drift)
+        diff, drift = evidence.until_parting(batched, r["mono"], evidence.divergence)
         out.append({"prompt": r["prompt"], "equal": batched["text"] == r["mono"]["text"],
-                    "first_difference": diff, "drift_per_position": drift})
+                    "first_difference": diff, "drift_per_position": drift,
+                    "typical": evidence.typical_drift(drift)})
     return out
 
 

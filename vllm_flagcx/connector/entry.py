@@ -11,7 +11,6 @@ caches are registered.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from vllm_flagcx.compat import config as compat_config
@@ -32,7 +31,6 @@ from vllm_flagcx.compat.connector_api import (
     role_is_scheduler,
     transfer_results,
 )
-from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
 from vllm_flagcx.connector.scheduler import (
@@ -194,34 +192,14 @@ class FlagCXConnector(PortableConnectorBase):
 
     # ---------------------------------------------------------------- worker side
     def _make_worker(self, regions: list[Any], host_memory: bool) -> Any:
-        from vllm_flagcx.compat import mamba as compat_mamba
-        from vllm_flagcx.connector.worker import (
-            WorkerHalf,
-            WorkerSettings,
-            kernel_ratios,
-            model_page_bytes,
-        )
-        from vllm_flagcx.wire import handshake as hs
+        from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings
+        from vllm_flagcx.connector.worker_setup import layout_facts
 
-        vllm_config = self._vllm_config
-        model = vllm_config.model_config
-        groups = compat_kv.group_facts(self.kv_cache_config)
-        ratios = kernel_ratios(regions, len(groups), self.kv_cache_config.num_blocks)
-        layout = hs.LayoutFacts(
-            model=str(model.model), dtype=str(model.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
-            group_kinds=tuple(g.kind.value for g in groups),
-            block_sizes=tuple(g.block_size for g in groups),
-            kernel_block_sizes=tuple(g.block_size // r for g, r in zip(groups, ratios,
-                                                                        strict=True)),
-            page_bytes=model_page_bytes(regions, len(groups)),
-            conv_layout=compat_mamba.conv_state_layout(),
-            num_kv_heads=int(model.get_total_num_kv_heads()),
-            cache_format=self._cache_format(groups))
         rank = compat_config.tp_rank()
-        transport = load_factory(transport_factory_path(self._extra))(vllm_config, rank)
+        transport = load_factory(transport_factory_path(self._extra))(self._vllm_config, rank)
         settings = WorkerSettings(
-            engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size, layout=layout,
+            engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size,
+            layout=layout_facts(self._vllm_config, self.kv_cache_config, regions),
             bind_host=self.settings.bind_host,
             side_channel_port=self.side_channel_port,
             handshake_timeout=self.settings.handshake_timeout,
@@ -233,45 +211,19 @@ class FlagCXConnector(PortableConnectorBase):
             test_faults=self.settings.test_faults, key=self._key)
         return WorkerHalf(settings, transport)
 
-    def _cache_format(self, groups: list[Any]) -> str:
-        """``compat.attention.cache_format`` of the attention layers ("none" without)."""
-        from vllm_flagcx.compat.attention import cache_format
-
-        attention = [g for g in groups if g.kind is not SpecKind.MAMBA]
-        if not attention:
-            return "none"
-        spec = self.kv_cache_config.kv_cache_groups[attention[0].index].kv_cache_spec
-        return cache_format(self._vllm_config, [n for g in attention for n in g.layer_names],
-                            int(self._vllm_config.cache_config.block_size),
-                            int(getattr(spec, "head_size", 0)))
-
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm_flagcx.compat import kv_layout
-        from vllm_flagcx.compat import mamba as compat_mamba
-        from vllm_flagcx.compat.attention import layer_attention_dims
+        from vllm_flagcx.connector.worker_setup import kv_cache_regions, warn_on_cpu_binding
 
-        model = self._vllm_config.model_config
-        attention_dims = {
-            i: layer_attention_dims(self._vllm_config, list(g.layer_names))
-            for i, g in compat_kv.attention_groups(self.kv_cache_config)}
-        regions = kv_layout.regions_for_kv_caches(
-            kv_caches, self.kv_cache_config, self.tp_size, model.get_total_num_kv_heads(),
-            compat_mamba.conv_state_layout(),
-            compat_config.gdn_conv_split(model.hf_config, self.tp_size), attention_dims)
+        regions = kv_cache_regions(self._vllm_config, self.kv_cache_config, self.tp_size,
+                                   kv_caches)
         first = next(iter(kv_caches.values()))
         first = first[0] if isinstance(first, (list, tuple)) else first
-        self.worker = self._make_worker(regions, host_memory=first.device.type == "cpu")
+        host_memory = first.device.type == "cpu"
+        self.worker = self._make_worker(regions, host_memory)
         ktc = self._vllm_config.kv_transfer_config
         self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
                                      logical_num_blocks=self.kv_cache_config.num_blocks)
-        if hasattr(os, "sched_getaffinity"):
-            from vllm_flagcx.connector.host_cpus import allowed_cpus, cpu_binding_warning
-
-            hint = cpu_binding_warning(
-                set(os.sched_getaffinity(0)), allowed_cpus(),
-                compat_config.env("VLLM_CPU_OMP_THREADS_BIND"), first.device.type == "cpu")
-            if hint:
-                logger.warning("FlagCXConnector: %s", hint)
+        warn_on_cpu_binding(host_memory)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -1,0 +1,84 @@
+"""What the worker half is built from, read off vLLM once when the KV caches are
+registered: the memory regions of every layer, the layout facts a peer must match, and
+the attention kernel's storage format.
+
+Why a module of its own: the entry class only dispatches vLLM's hooks; deriving regions
+and facts is the worker's one-time setup, written against ``compat`` like the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm_flagcx.compat import config as compat_config
+from vllm_flagcx.compat import kv_cache as compat_kv
+from vllm_flagcx.compat.kv_cache import SpecKind
+
+logger = logging.getLogger("vllm_flagcx")
+
+
+def kv_cache_regions(vllm_config: Any, kv_cache_config: Any, tp_size: int,
+                     kv_caches: dict[str, Any]) -> list[Any]:
+    """Regions of every registered cache tensor, each attention group's K/V taken from
+    the dimensions its backend declares (``compat.attention.layer_attention_dims``)."""
+    from vllm_flagcx.compat import kv_layout
+    from vllm_flagcx.compat import mamba as compat_mamba
+    from vllm_flagcx.compat.attention import layer_attention_dims
+
+    model = vllm_config.model_config
+    attention_dims = {i: layer_attention_dims(vllm_config, list(g.layer_names))
+                      for i, g in compat_kv.attention_groups(kv_cache_config)}
+    return kv_layout.regions_for_kv_caches(
+        kv_caches, kv_cache_config, tp_size, model.get_total_num_kv_heads(),
+        compat_mamba.conv_state_layout(),
+        compat_config.gdn_conv_split(model.hf_config, tp_size), attention_dims)
+
+
+def attention_cache_format(vllm_config: Any, kv_cache_config: Any, groups: list[Any]) -> str:
+    """``compat.attention.cache_format`` of the attention layers ("none" without)."""
+    from vllm_flagcx.compat.attention import cache_format
+
+    attention = [g for g in groups if g.kind is not SpecKind.MAMBA]
+    if not attention:
+        return "none"
+    spec = kv_cache_config.kv_cache_groups[attention[0].index].kv_cache_spec
+    return cache_format(vllm_config, [n for g in attention for n in g.layer_names],
+                        int(vllm_config.cache_config.block_size),
+                        int(getattr(spec, "head_size", 0)))
+
+
+def layout_facts(vllm_config: Any, kv_cache_config: Any, regions: list[Any]) -> Any:
+    """The ``wire.handshake.LayoutFacts`` a peer's must match before any byte moves."""
+    from vllm_flagcx.compat import mamba as compat_mamba
+    from vllm_flagcx.connector.worker import kernel_ratios, model_page_bytes
+    from vllm_flagcx.wire import handshake as hs
+
+    model = vllm_config.model_config
+    groups = compat_kv.group_facts(kv_cache_config)
+    ratios = kernel_ratios(regions, len(groups), kv_cache_config.num_blocks)
+    return hs.LayoutFacts(
+        model=str(model.model), dtype=str(model.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        group_kinds=tuple(g.kind.value for g in groups),
+        block_sizes=tuple(g.block_size for g in groups),
+        kernel_block_sizes=tuple(g.block_size // r for g, r in zip(groups, ratios,
+                                                                    strict=True)),
+        page_bytes=model_page_bytes(regions, len(groups)),
+        conv_layout=compat_mamba.conv_state_layout(),
+        num_kv_heads=int(model.get_total_num_kv_heads()),
+        cache_format=attention_cache_format(vllm_config, kv_cache_config, groups))
+
+
+def warn_on_cpu_binding(host_memory: bool) -> None:
+    """Log the operator hint when vLLM's automatic OpenMP binding pinned this CPU worker
+    to a core another engine on the host may share (``connector.host_cpus`` says why)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return
+    from vllm_flagcx.connector.host_cpus import allowed_cpus, cpu_binding_warning
+
+    hint = cpu_binding_warning(set(os.sched_getaffinity(0)), allowed_cpus(),
+                               compat_config.env("VLLM_CPU_OMP_THREADS_BIND"), host_memory)
+    if hint:
+        logger.warning("FlagCXConnector: %s", hint)
