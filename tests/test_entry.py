@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector.entry import FlagCXConnector, FlagCXWorkerMetadata
-from vllm_flagcx.connector.transport_choice import load_factory, transport_factory_path
+from vllm_flagcx.connector.settings import ConnectorSettings, SettingsError
+from vllm_flagcx.connector.transport_choice import chosen_transport, load_factory, make_transport
 
 
 def test_transport_factory_errors_name_the_key():
@@ -64,15 +67,29 @@ def test_prom_metrics_count_per_engine():
 def test_transport_selection_by_name(monkeypatch):
     monkeypatch.delenv("FLAGCX_LIB_PATH", raising=False)
     monkeypatch.delenv("FLAGCX_PATH", raising=False)
+    assert chosen_transport(ConnectorSettings.from_extra({})) == "local"  # no binding here
+    assert chosen_transport(ConnectorSettings.from_extra({"transport": "flagcx"})) == "flagcx"
+    with pytest.raises(SettingsError, match="transport='rdma': use one of auto, flagcx"):
+        ConnectorSettings.from_extra({"transport": "rdma"})
 
-    def extra(values):
-        return lambda key, default=None: values.get(key, default)
 
-    assert transport_factory_path(extra({})).endswith("local:create_transport")  # no binding
-    assert transport_factory_path(extra({"transport": "local"})).endswith("local:create_transport")
-    assert transport_factory_path(extra({"transport_factory": "a:b"})) == "a:b"
-    with pytest.raises(ValueError, match="transport='rdma' is unknown"):
-        transport_factory_path(extra({"transport": "rdma"}))
+def test_make_transport_calls_the_named_factory_with_config_and_rank(monkeypatch):
+    """``transport_factory`` wins over ``transport`` and gets ``(vllm_config, tp_rank)``;
+    the built-in local transport needs no library."""
+    import types
+
+    from vllm_flagcx.transport.local import LocalTransport
+
+    module = types.ModuleType("my_transports")
+    module.make = lambda config, rank: ("made", config, rank)
+    monkeypatch.setitem(sys.modules, "my_transports", module)
+    named = ConnectorSettings.from_extra({"transport": "flagcx",
+                                          "transport_factory": "my_transports:make"})
+    assert make_transport(named, "cfg", 3, host_memory=True) == ("made", "cfg", 3)
+    local = make_transport(ConnectorSettings.from_extra({"transport": "local"}), "cfg", 0,
+                           host_memory=True)
+    assert isinstance(local, LocalTransport)
+    local.close()
 
 
 def test_cpu_binding_warning_names_the_setting_only_when_auto_pinned():

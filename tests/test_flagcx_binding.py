@@ -185,29 +185,30 @@ def test_write_failure_is_reported(libs, decode_process, monkeypatch):
 
 
 def test_auto_picks_flagcx_only_when_the_library_loads(libs, monkeypatch):
-    from vllm_flagcx.connector.transport_choice import transport_factory_path
+    from vllm_flagcx.connector.settings import ConnectorSettings
+    from vllm_flagcx.connector.transport_choice import chosen_transport
 
-    def extra(values):
-        return lambda key, default=None: values.get(key, default)
+    def chosen(values):
+        return chosen_transport(ConnectorSettings.from_extra(values))
 
     monkeypatch.delenv("FLAGCX_LIB_PATH", raising=False)
     monkeypatch.delenv("FLAGCX_PATH", raising=False)
-    assert transport_factory_path(extra({})).endswith("local:create_transport")
-    good = extra({"flagcx_library": str(libs["good"]), "flagcx_rdma_check": False})
-    assert transport_factory_path(good).endswith("flagcx:create_transport")
-    partial = extra({"flagcx_library": str(libs["partial"]), "flagcx_rdma_check": False})
-    assert transport_factory_path(partial).endswith("local:create_transport")
+    assert chosen({}) == "local"
+    assert chosen({"flagcx_library": str(libs["good"]), "flagcx_rdma_check": False}) == "flagcx"
+    assert chosen({"flagcx_library": str(libs["partial"]), "flagcx_rdma_check": "off"}) == "local"
     if not fx.rdma_devices():  # no RDMA device here: auto keeps the same-host transport
-        no_rdma = extra({"flagcx_library": str(libs["good"])})
-        assert transport_factory_path(no_rdma).endswith("local:create_transport")
+        assert chosen({"flagcx_library": str(libs["good"])}) == "local"
 
 
-def test_the_library_is_loaded_once_for_choosing_and_creating(libs, monkeypatch):
-    """``transport: auto`` probes libflagcx, and ``create_transport`` then uses the same
-    load (it used to be loaded and checked twice)."""
-    from types import SimpleNamespace
-
-    from vllm_flagcx.connector.transport_choice import flagcx_available
+@pytest.mark.parametrize("rdma_off", [False, 0, "0", "no", "off", "false"])
+def test_the_library_is_loaded_once_and_every_spelling_of_off_reaches_the_transport(
+        libs, monkeypatch, rdma_off):
+    """``transport: auto`` probes libflagcx and the transport then uses the same load (it
+    used to be loaded and checked twice); ``flagcx_rdma_check`` spelled any way the
+    settings accept as off is off for the transport too (it used to re-read the raw value,
+    where only "false" meant off, so auto chose flagcx and the transport then refused)."""
+    from vllm_flagcx.connector.settings import ConnectorSettings
+    from vllm_flagcx.connector.transport_choice import chosen_transport, make_transport
 
     loads = []
     real_init = fx.FlagCXLibrary.__init__
@@ -218,12 +219,20 @@ def test_the_library_is_loaded_once_for_choosing_and_creating(libs, monkeypatch)
 
     monkeypatch.setattr(fx, "_LOADED", {})
     monkeypatch.setattr(fx.FlagCXLibrary, "__init__", counting_init)
-    assert flagcx_available(str(libs["good"]), rdma_check=False)
-    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={
-        "flagcx_library": str(libs["good"]), "flagcx_rdma_check": False}))
-    transport = fx.create_transport(config, 0)
+    settings = ConnectorSettings.from_extra({
+        "flagcx_library": str(libs["good"]), "flagcx_rdma_check": rdma_off,
+        "handshake_timeout": "7"})
+    assert chosen_transport(settings) == "flagcx"
+    transport = make_transport(settings, None, 0, host_memory=True)
     assert transport.library is fx.load_library(libs["good"])
+    assert transport.connect_timeout == 7.0
     assert len(loads) == 1
+    transport.close()
+    if not fx.rdma_devices():  # here the check, left on, refuses: so it was off above
+        on = ConnectorSettings.from_extra({"flagcx_library": str(libs["good"]),
+                                           "transport": "flagcx", "flagcx_rdma_check": "on"})
+        with pytest.raises(fx.FlagCXLoadError, match="RDMA"):
+            make_transport(on, None, 0, host_memory=True)
     with pytest.raises(fx.FlagCXLoadError):
         fx.load_library(libs["good"].parent / "missing.so")
     assert libs["good"].parent / "missing.so" not in fx._LOADED

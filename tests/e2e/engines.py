@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from testkit import evidence
 from testkit import router_standin as rs
 
 from vllm_flagcx.demo import model as demo_model
@@ -54,7 +55,7 @@ def deployed(workdir: Path, kind: str = "sliding", dtype: str = "float32"
             yield d
 
 
-def complete(url: str, prompt: str, max_tokens: int = 16, **extra: object
+def complete(url: str, prompt: str | list[int], max_tokens: int = 16, **extra: object
              ) -> httpx.Response:
     return httpx.post(url + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -128,3 +129,88 @@ def assert_corrupted_kv_changes_the_answer(d: Deployment, prompts: tuple[str, ..
                     f"{prompt[:30]!r}: the comparison is blind")
     wait_idle(d.prefill)
     wait_idle(d.decode)
+
+
+def label(prompt: str | list[int]) -> str:
+    return prompt[:40] if isinstance(prompt, str) else f"{len(prompt)} token ids"
+
+
+def corpus_prefixes(d: Deployment, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Token-id prompts of these lengths (prefixes of the demo corpus): lengths that end
+    inside, at and past block boundaries, which the demo prompts alone do not cover."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(d.model / "tokenizer.json")).encode(demo_model.CORPUS * 8).ids
+    return [ids[:n] for n in lengths]
+
+
+def logprob_rows(d: Deployment, prompts: list[str | list[int]]) -> list[dict]:
+    """Per prompt: PD's answer (through the router) and the monolithic one (prefill's own,
+    no kv_transfer_params), both with their top-k logprobs, and the bytes and seconds
+    that arrived at decode."""
+    rows = []
+    for prompt in prompts:
+        before = demo_run.received(d.decode)
+        via_pd = complete(d.router.url, prompt, logprobs=evidence.TOP_K)
+        assert via_pd.status_code == 200, via_pd.text
+        moved, seconds = demo_run.transfer_after(d.decode, before)
+        mono = complete(d.prefill.url, prompt, logprobs=evidence.TOP_K)
+        assert mono.status_code == 200, mono.text
+        rows.append({"prompt": label(prompt), "pd": via_pd.json()["choices"][0],
+                     "mono": mono.json()["choices"][0], "moved_bytes": moved,
+                     "transfer_ms": round(seconds * 1e3, 3)})
+    return rows
+
+
+def pd_readings(rows: list[dict]) -> list[dict]:
+    """Per ``logprob_rows`` row: the bf16 criterion's reading (``evidence.parting``) of
+    PD against the monolithic answer, with the bytes that moved."""
+    return [{"prompt": r["prompt"], "equal": r["pd"]["text"] == r["mono"]["text"],
+             "moved_bytes": r["moved_bytes"], **evidence.parting(r["pd"], r["mono"]).record()}
+            for r in rows]
+
+
+def assert_pd_within_rounding(readings: list[dict]) -> None:
+    """The bf16 hybrid's PD check (``evidence.ROUNDING_NATS`` says why not token
+    equality): for every prompt, KV arrived and the median divergence until the outputs
+    part is at the rounding level."""
+    for r in readings:
+        assert r["moved_bytes"] > 0, (r["prompt"], "nothing arrived at decode")
+        assert r["within_rounding"], (
+            f"{r['prompt']!r}: median divergence {r['typical']} nats over "
+            f"{r['per_position']} (parted at {r['parted_at']}): more than rounding "
+            f"({evidence.ROUNDING_NATS})")
+
+
+def corrupted_readings(d: Deployment, prompts: list[str | list[int]]) -> list[dict]:
+    """The same reading with one corrupted block (decode's ``corrupt_block`` fault), or
+    the HTTP status where the request failed; both engines end idle."""
+    from vllm_flagcx.connector.fault_knobs import PARAM
+    from vllm_flagcx.router import legs
+
+    seen = []
+    for i, prompt in enumerate(prompts):
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "logprobs": evidence.TOP_K}
+        mono = complete(d.prefill.url, prompt, logprobs=evidence.TOP_K).json()["choices"][0]
+        leg = httpx.post(d.prefill.url + "/v1/completions", timeout=120,
+                         json=legs.prefill_body(body, f"rounding-corrupt-{i}"))
+        params = {**leg.json()["kv_transfer_params"], PARAM: "corrupt_block"}
+        r = httpx.post(d.decode.url + "/v1/completions", timeout=120,
+                       json=legs.decode_body(body, params))
+        if r.status_code != 200:
+            seen.append({"prompt": label(prompt), "failed": r.status_code})
+            continue
+        seen.append({"prompt": label(prompt),
+                     **evidence.parting(r.json()["choices"][0], mono).record()})
+    wait_idle(d.prefill)
+    wait_idle(d.decode)
+    return seen
+
+
+def assert_corrupted_beyond_rounding(readings: list[dict]) -> None:
+    """The negative control of ``assert_pd_within_rounding``: every corrupted prompt
+    exceeds ``ROUNDING_NATS`` or failed; else the check could not tell wrong KV from
+    rounding."""
+    blind = [r for r in readings if r.get("within_rounding")]
+    assert not blind, f"a corrupted block stayed within rounding: {blind}"

@@ -22,8 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "e2e"), str(HERE.parent)]
 
-import evidence  # noqa: E402
 import test_pd_gpu as suite  # noqa: E402
+from testkit import evidence  # noqa: E402
 
 LENGTHS = (*range(88, 113, 2), 33, 64, 65, 96, 97, 98, 99, 100, 128, 129, 160, 200, 330)
 JUMP_NATS = 0.25
@@ -42,8 +42,8 @@ def _ids(tokenizer_json: Path, n: int, text: str | None = None) -> list[int]:
 def _row(d, ids: list[int]) -> dict:
     import engines
 
-    pd = engines.complete(d.router.url, ids, max_tokens=MAX_TOKENS, logprobs=suite.TOP_K)
-    mono = engines.complete(d.prefill.url, ids, max_tokens=MAX_TOKENS, logprobs=suite.TOP_K)
+    pd = engines.complete(d.router.url, ids, max_tokens=MAX_TOKENS, logprobs=evidence.TOP_K)
+    mono = engines.complete(d.prefill.url, ids, max_tokens=MAX_TOKENS, logprobs=evidence.TOP_K)
     if pd.status_code != 200 or mono.status_code != 200:
         return {"L": len(ids), "error": f"{pd.status_code} {pd.text[:200]} / "
                                         f"{mono.status_code} {mono.text[:200]}"}

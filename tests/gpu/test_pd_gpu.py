@@ -40,8 +40,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import evidence  # noqa: E402 - tests/gpu, put on the path above
+from testkit import evidence  # noqa: E402
 
 GPU_MEMORY = "0.1"
 COMMON = ("--gpu-memory-utilization", GPU_MEMORY, "--kv-cache-memory-bytes", str(2 << 30),
@@ -58,16 +57,8 @@ CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 EXACT = ("sliding-bf16-flash_attn", "sliding-fp32-triton_attn", "mamba2-fp32-triton_attn")
 BF16_HYBRID = ("hybrid-bf16-flash_attn", "hybrid-bf16-triton_attn")
-# The bf16 hybrid's criterion, from the sweep (tests/gpu/divergence_sweep.py, 2 x 41 prompt
-# lengths, results in benchmarks/results/h200-2026-12-04c/): where PD and the monolithic run
-# share their tokens, the logprob drift per position has a median of 0.02-0.05 nats on
-# both attention backends, with single-position spikes of 0.2-0.7 nats that vanish at the
-# next step; PD's pick then falls outside the monolithic top-20 now and then, at the same
-# prompts on FLASH_ATTN and TRITON_ATTN. A corrupted block must drive the median above
-# ROUNDING_NATS (test_bf16_hybrid_corrupted_block_drifts_beyond_rounding), or the
-# criterion could not fail.
-ROUNDING_NATS = 0.1
-TOP_K = 20
+# The bf16 hybrid's criterion and its numbers: testkit/evidence.py (ROUNDING_NATS); the
+# checks themselves: tests/e2e/engines.py, shared with the CPU e2e tests.
 REPORT: dict[str, Any] = {}
 
 
@@ -124,24 +115,9 @@ def _pair(pairs: dict[str, Any], case: str) -> Any:
 
 
 def _compare(d: Any) -> list[dict[str, Any]]:
-    """Per demo prompt: PD's and the monolithic answer, their top-20 logprobs (vLLM's
-    default max_logprobs), bytes and seconds of the transfer."""
     import engines
 
-    from vllm_flagcx.demo import run as demo_run
-
-    rows = []
-    for prompt in engines.PROMPTS:
-        before = demo_run.received(d.decode)
-        via_pd = engines.complete(d.router.url, prompt, logprobs=TOP_K)
-        assert via_pd.status_code == 200, via_pd.text
-        moved, seconds = demo_run.transfer_after(d.decode, before)
-        mono = engines.complete(d.prefill.url, prompt, logprobs=TOP_K)
-        assert mono.status_code == 200, mono.text
-        rows.append({"prompt": prompt[:40], "pd": via_pd.json()["choices"][0],
-                     "mono": mono.json()["choices"][0], "moved_bytes": moved,
-                     "transfer_ms": round(seconds * 1e3, 3)})
-    return rows
+    return engines.logprob_rows(d, list(engines.PROMPTS))
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -162,14 +138,12 @@ def _monolithic_batch_variance(d: Any, rows: list[dict[str, Any]]) -> list[dict[
     prompts = [*engines.PROMPTS, *(p[::-1] for p in engines.PROMPTS)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(
-            lambda p: engines.complete(d.prefill.url, p, logprobs=TOP_K), prompts))
+            lambda p: engines.complete(d.prefill.url, p, logprobs=evidence.TOP_K), prompts))
     out = []
     for r, answer in zip(rows, answers, strict=False):
         batched = answer.json()["choices"][0]
-        diff, drift = evidence.until_parting(batched, r["mono"], evidence.divergence)
         out.append({"prompt": r["prompt"], "equal": batched["text"] == r["mono"]["text"],
-                    "first_difference": diff, "drift_per_position": drift,
-                    "typical": evidence.typical_drift(drift)})
+                    **evidence.parting(batched, r["mono"]).record()})
     return out
 
 
@@ -194,60 +168,28 @@ def test_negative_control_corrupted_or_missing_kv_changes_the_answer(pairs, case
 @pytest.mark.parametrize("case", BF16_HYBRID)
 def test_bf16_hybrid_differences_are_rounding(pairs, case):
     """Until PD's greedy tokens part from the monolithic ones (and at the parting), the
-    typical (median) logprob drift per position stays at the rounding level
-    (``ROUNDING_NATS``): the moved state is the state prefill computed. Where they part,
-    the gap and both top-k are recorded."""
+    typical (median) divergence per position stays at the rounding level
+    (``evidence.ROUNDING_NATS``): the moved state is the state prefill computed. Where
+    they part, the gap and both top-k are recorded."""
+    import engines
+
     d = _pair(pairs, case)
     rows = _compare(d)
     _report(case, "monolithic_batch_variance", _monolithic_batch_variance(d, rows))
-    parted = [evidence.until_parting(r["pd"], r["mono"], evidence.divergence) for r in rows]
     _report(case, "prompts", _summary(rows))
-    _report(case, "first_differences", [diff for diff, _ in parted if diff is not None])
-    _report(case, "drift_per_position", [drift for _, drift in parted])
     _report(case, "logprobs", [{"pd": r["pd"]["logprobs"], "mono": r["mono"]["logprobs"]}
                                for r in rows])
-    for r, (diff, drift) in zip(rows, parted, strict=True):
-        assert r["moved_bytes"] > 0, (r["prompt"], "nothing arrived at decode")
-        typical = evidence.typical_drift(drift)
-        assert typical <= ROUNDING_NATS, (
-            f"{r['prompt']!r}: median logprob drift {typical:.3f} nats over "
-            f"{[round(x, 3) for x in drift]} (parted at "
-            f"{diff['index'] if diff else 'no token'}): more than rounding")
+    readings = engines.pd_readings(rows)
+    _report(case, "readings", readings)
+    engines.assert_pd_within_rounding(readings)
 
 
 @pytest.mark.parametrize("case", BF16_HYBRID)
 def test_bf16_hybrid_corrupted_block_drifts_beyond_rounding(pairs, case):
-    """The negative control of the criterion above: one corrupted block (decode's
-    ``corrupt_block`` fault) must push the median drift over ``ROUNDING_NATS`` or fail
-    the request, for every prompt."""
+    """The negative control of the criterion above: one corrupted block must push the
+    median divergence over ``ROUNDING_NATS`` or fail the request, for every prompt."""
     import engines
-    import httpx
 
-    from vllm_flagcx.connector.fault_knobs import PARAM
-    from vllm_flagcx.router import legs
-
-    d = _pair(pairs, case)
-    seen = []
-    for i, prompt in enumerate(engines.PROMPTS):
-        body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                "logprobs": TOP_K}
-        mono = engines.complete(d.prefill.url, prompt, logprobs=TOP_K).json()["choices"][0]
-        leg = httpx.post(d.prefill.url + "/v1/completions", timeout=120,
-                         json=legs.prefill_body(body, f"drift-corrupt-{i}"))
-        params = {**leg.json()["kv_transfer_params"], PARAM: "corrupt_block"}
-        r = httpx.post(d.decode.url + "/v1/completions", timeout=120,
-                       json=legs.decode_body(body, params))
-        if r.status_code != 200:
-            seen.append({"prompt": prompt[:40], "failed": r.status_code})
-            continue
-        corrupted = r.json()["choices"][0]
-        diff, drift = evidence.until_parting(corrupted, mono, evidence.divergence)
-        typical = evidence.typical_drift(drift)
-        seen.append({"prompt": prompt[:40], "typical": typical, "drift": drift,
-                     "parted_at": diff["index"] if diff else None, "first_difference": diff,
-                     "old_drift": evidence.until_parting(corrupted, mono, evidence.drift)[1]})
-    _report(case, "corrupted_block_drift", seen)
-    engines.wait_idle(d.prefill)
-    engines.wait_idle(d.decode)
-    blind = [s for s in seen if "typical" in s and s["typical"] <= ROUNDING_NATS]
-    assert not blind, f"a corrupted block stayed within rounding: {blind}"
+    readings = engines.corrupted_readings(_pair(pairs, case), list(engines.PROMPTS))
+    _report(case, "corrupted_block", readings)
+    engines.assert_corrupted_beyond_rounding(readings)

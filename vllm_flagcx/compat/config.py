@@ -25,12 +25,6 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
-def extra_config(kv_transfer_config: Any, key: str, default: Any = None) -> Any:
-    """A key of ``kv_connector_extra_config`` (the connector's own settings)."""
-    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-    return extra.get(key, default)
-
-
 def kv_transfer_field(kv_transfer_config: Any, name: str, default: Any = None) -> Any:
     """A KVTransferConfig field that some builds lack (kv_ip, kv_rank, ...)."""
     value = getattr(kv_transfer_config, name, _MISSING)

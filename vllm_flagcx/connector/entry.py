@@ -43,7 +43,7 @@ from vllm_flagcx.connector.settings import (
     ConnectorSettings,
     SettingsError,
 )
-from vllm_flagcx.connector.transport_choice import load_factory, transport_factory_path
+from vllm_flagcx.connector.transport_choice import make_transport
 from vllm_flagcx.wire import auth
 
 logger = logging.getLogger("vllm_flagcx")
@@ -107,7 +107,6 @@ class FlagCXConnector(PortableConnectorBase):
         # Every key checked once, here, at startup (connector.settings says why).
         self.settings = ConnectorSettings.from_extra(
             getattr(ktc, "kv_connector_extra_config", None))
-        self._extra = lambda key, default=None: self.settings.raw.get(key, default)
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         base_port = self.settings.side_channel_port
@@ -196,7 +195,7 @@ class FlagCXConnector(PortableConnectorBase):
         from vllm_flagcx.connector.worker_setup import layout_facts
 
         rank = compat_config.tp_rank()
-        transport = load_factory(transport_factory_path(self._extra))(self._vllm_config, rank)
+        transport = make_transport(self.settings, self._vllm_config, rank, host_memory)
         settings = WorkerSettings(
             engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size,
             layout=layout_facts(self._vllm_config, self.kv_cache_config, regions),

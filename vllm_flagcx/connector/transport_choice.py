@@ -3,20 +3,17 @@ a ``module:callable`` factory named in ``kv_connector_extra_config``.
 
 ``transport`` names one (flagcx | local | auto; auto = flagcx when libflagcx loads and the
 host has an RDMA device, else the same-host transport), or ``transport_factory`` gives a
-``module:callable`` taking ``(vllm_config, tp_rank)``. libflagcx is loaded once per
+``module:callable`` taking ``(vllm_config, tp_rank)``. Every value is read from the checked
+``ConnectorSettings``. libflagcx is loaded once per
 process (``transport.flagcx.load_library``), whether ``auto`` probed it or not.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
-TRANSPORTS = {
-    "flagcx": "vllm_flagcx.transport.flagcx:create_transport",
-    "local": "vllm_flagcx.transport.local:create_transport",
-}
+from vllm_flagcx.connector.settings import ConnectorSettings
 
 
 def flagcx_available(configured_library: str | None = None, rdma_check: bool = True
@@ -39,20 +36,33 @@ def flagcx_available(configured_library: str | None = None, rdma_check: bool = T
     return True
 
 
-def transport_factory_path(extra: Callable[..., Any]) -> str:
-    """``transport_factory`` if given, else the factory of ``transport``."""
-    explicit = extra("transport_factory")
-    if explicit:
-        return str(explicit)
-    name = str(extra("transport", "auto"))
-    if name == "auto":
-        name = ("flagcx" if flagcx_available(extra("flagcx_library"),
-                                             bool(extra("flagcx_rdma_check", True)))
-                else "local")
-    if name not in TRANSPORTS:
-        raise ValueError(f"kv_connector_extra_config.transport={name!r} is unknown; use one "
-                         f"of {sorted(TRANSPORTS)} or 'auto'")
-    return TRANSPORTS[name]
+def chosen_transport(settings: ConnectorSettings) -> str:
+    """The built-in transport ``settings`` select: ``transport``, with ``auto`` resolved
+    (flagcx when libflagcx loads and, unless ``flagcx_rdma_check`` is off, the host has
+    an RDMA device; else local)."""
+    if settings.transport != "auto":
+        return settings.transport
+    return ("flagcx" if flagcx_available(settings.flagcx_library, settings.flagcx_rdma_check)
+            else "local")
+
+
+def make_transport(settings: ConnectorSettings, vllm_config: Any, tp_rank: int,
+                   host_memory: bool) -> Any:
+    """The transport of one worker: ``transport_factory``'s ``module:callable`` called with
+    ``(vllm_config, tp_rank)`` when given, else the built-in ``chosen_transport`` opened
+    with the checked settings (never the raw extra config: ``flagcx_rdma_check: "off"``
+    means off to both the choice and the transport)."""
+    if settings.transport_factory:
+        return load_factory(settings.transport_factory)(vllm_config, tp_rank)
+    if chosen_transport(settings) == "flagcx":
+        from vllm_flagcx.transport.flagcx import open_transport
+
+        return open_transport(settings.flagcx_library, settings.side_channel_host,
+                              settings.flagcx_rdma_check, host_memory,
+                              settings.handshake_timeout)
+    from vllm_flagcx.transport.local import LocalTransport
+
+    return LocalTransport()
 
 
 def load_factory(path: str) -> Any:

@@ -276,14 +276,11 @@ def load_library(path: Path) -> FlagCXLibrary:
         return _LOADED[key]
 
 
-def create_transport(vllm_config: Any, tp_rank: int) -> FlagCXTransport:
-    """``transport_factory`` entry (``transport: flagcx``); loads the library now."""
-    extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
-                    "kv_connector_extra_config", None) or {}
-    library = load_library(library_path(extra.get("flagcx_library")))
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
-    check = str(extra.get("flagcx_rdma_check", True)).lower() != "false"
-    return FlagCXTransport(library, str(extra.get("side_channel_host", "127.0.0.1")),
-                           rdma_sysfs=RDMA_SYSFS if check else None,
-                           host_memory=str(device) == "cpu",
-                           connect_timeout=float(extra.get("handshake_timeout", 10.0)))
+def open_transport(configured_library: str | None, host: str, rdma_check: bool,
+                   host_memory: bool, connect_timeout: float) -> FlagCXTransport:
+    """The FlagCX transport (``transport: flagcx``), from the connector's checked settings
+    (``connector.settings``: the only reader of ``kv_connector_extra_config``, so a value
+    means the same to choosing a transport and to opening it); loads the library now."""
+    return FlagCXTransport(load_library(library_path(configured_library)), host,
+                           rdma_sysfs=RDMA_SYSFS if rdma_check else None,
+                           host_memory=host_memory, connect_timeout=connect_timeout)

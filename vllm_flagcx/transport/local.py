@@ -210,8 +210,3 @@ class LocalTransport(Transport):
             return WriteResult(False, f"process_vm_writev wrote {written} of {expected} bytes "
                                       f"into pid {pid}")
         return WriteResult(True, "", written)
-
-
-def create_transport(vllm_config: object, tp_rank: int) -> LocalTransport:
-    """``transport_factory`` entry (also selected by ``transport: local``)."""
-    return LocalTransport()

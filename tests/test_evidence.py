@@ -1,12 +1,8 @@
-"""The GPU suite's evidence functions (tests/gpu/evidence.py), on the CPU."""
+"""The evidence functions the bf16 PD checks assert with (testkit/evidence.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-import evidence
+from testkit import evidence
 
 
 def _run(tokens, tops):
@@ -58,3 +54,14 @@ def test_until_parting_measures_up_to_the_first_difference_or_over_everything():
     assert diff["index"] == 1 and measured == [0.5, float("inf")]
     diff, measured = evidence.until_parting(pd, pd, evidence.drift)
     assert diff is None and measured == [0.0, 0.0, 0.0]
+
+
+def test_parting_measure_reads_the_median_divergence_until_the_outputs_part():
+    pd = _run(["a", "b", "c"], [{"a": -1.0}, {"b": -1.0}, {"c": -1.0}])
+    mono = _run(["a", "b", "x"], [{"a": -1.02}, {"b": -1.5}, {"x": -1.0, "c": -1.01}])
+    parting = evidence.parting(pd, mono)
+    assert parting.index == 2
+    assert [round(x, 6) for x in parting.per_position] == [0.02, 0.5, 0.01]
+    assert abs(parting.typical - 0.02) < 1e-9
+    assert parting.within_rounding
+    assert not evidence.parting(pd, _run(["q"], [{"q": -0.1}])).within_rounding

