@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_flagcx.transport.address_ranges import OUTSIDE, RangeTable
+from vllm_flagcx.transport.address_ranges import COMMON_FIRST_FROM, OUTSIDE, RangeTable
 
 
 def _u64(values):
@@ -65,3 +65,28 @@ def test_one_range_holds_by_reductions_with_the_same_answer():
     assert not table.holds(_u64([1000, 1500]), _u64([10, 501]))
     assert not table.holds(_u64([1500]), _u64([2**64 - 1000]))
     assert table.holds(_u64([]), _u64([]))
+
+
+def test_common_names_the_one_range_holding_a_whole_batch_or_none():
+    table = RangeTable([(5000, 6000), (1000, 2000), (3000, 4000)])
+    assert table.common(_u64([1000, 1990, 1500]), _u64([10, 10, 0])) == 1
+    assert table.common(_u64([3000, 5000]), _u64([10, 10])) is None  # two ranges
+    assert table.common(_u64([1990]), _u64([11])) is None  # past the end
+    assert table.common(_u64([500]), _u64([1])) is None  # below every range
+    assert table.common(_u64([1500]), _u64([2**64 - 1000])) is None  # wraps
+    assert table.common(_u64([]), _u64([])) is None
+    assert RangeTable([(1000, 5000), (2000, 3000)]).common(_u64([2500]), _u64([1])) is None
+
+
+def test_holds_answers_the_same_whether_or_not_it_tries_common_first():
+    rng = np.random.default_rng(5)
+    table = RangeTable([(k * 10_000, k * 10_000 + 9_000) for k in range(40)])
+    for n in (3, COMMON_FIRST_FROM + 1):
+        inside = (rng.integers(0, 40, n) * 10_000 + rng.integers(0, 8_000, n)).astype(np.uint64)
+        one = (7 * 10_000 + rng.integers(0, 8_000, n)).astype(np.uint64)
+        length = np.full(n, 100, np.uint64)
+        assert table.holds(inside, length) and table.holds(one, length)
+        assert table.try_common(one) == (n >= COMMON_FIRST_FROM)
+        across = one.copy()
+        across[-1] = 8 * 10_000 - 50  # ends past range 7
+        assert not table.holds(across, length)

@@ -1,0 +1,91 @@
+"""The same-host transport's GPU write path, up to the copy: bounds checks, opening each
+peer allocation once, and mapping peer addresses into this process's IPC mappings.
+
+STAND-IN: ``_DriverStandIn`` replaces the CUDA driver (no GPU here): ``open`` answers a
+made-up mapping base per IPC handle and ``copy_batch`` records what it was asked to copy.
+The copy itself runs on the H200 (tests/test_gpu_ipc.py); what is checked here is every
+address it would be given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_flagcx.transport import cuda_ipc
+from vllm_flagcx.transport import local as lt
+
+MAPPED = {b"h0": 0x7000_0000_0000, b"h1": 0x7100_0000_0000}
+
+
+class _DriverStandIn:
+    def __init__(self) -> None:
+        self.opened: list[bytes] = []
+        self.copies: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def open(self, handle: bytes, device: int) -> int:
+        self.opened.append(handle)
+        return MAPPED[handle]
+
+    def copy_batch(self, device: int, dst: np.ndarray, src: np.ndarray,
+                   length: np.ndarray) -> None:
+        self.copies.append((dst.copy(), src.copy(), length.copy()))
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    driver = _DriverStandIn()
+    monkeypatch.setattr(cuda_ipc, "driver", lambda: driver)
+    me = lt.LocalTransport()
+    me.device_ranges = [lt._DeviceRange(0x1000_0000, 1 << 20, 0x1000_0000, b"mine", 0)]
+    me._device_table = lt._device_table(me.device_ranges)
+    # two allocations of the peer; the second registered in two pieces at an offset
+    peer = lt._Peer(4242, (), (
+        lt._DeviceRange(0x2000_0000, 1 << 20, 0x2000_0000, b"h0", 0),
+        lt._DeviceRange(0x3000_1000, 1 << 16, 0x3000_0000, b"h1", 0),
+        lt._DeviceRange(0x3001_1000, 1 << 16, 0x3000_0000, b"h1", 0)))
+    return me, peer, driver
+
+
+def _u64(values):
+    return np.array(values, dtype=np.uint64)
+
+
+def test_a_batch_inside_one_allocation_maps_by_its_delta_and_opens_it_once(pair):
+    me, peer, driver = pair
+    src, dst = _u64([0x1000_0000, 0x1000_4000]), _u64([0x2000_0000, 0x2008_0000])
+    n = _u64([64, 64])
+    for _ in range(3):
+        assert me._write_device(peer, src, dst, n).ok
+    assert driver.opened == [b"h0"]
+    mapped, copied_src, _ = driver.copies[-1]
+    assert mapped.tolist() == [MAPPED[b"h0"], MAPPED[b"h0"] + 0x8_0000]
+    assert copied_src.tolist() == src.tolist()
+
+
+def test_a_batch_across_allocations_maps_each_descriptor_by_its_own(pair):
+    me, peer, driver = pair
+    dst = _u64([0x3001_1000, 0x2000_0100, 0x3000_1000])
+    assert me._write_device(peer, _u64([0x1000_0000] * 3), dst, _u64([16, 16, 16])).ok
+    assert sorted(driver.opened) == [b"h0", b"h1", b"h1"]  # each registered piece opened once
+    mapped = driver.copies[-1][0].tolist()
+    assert mapped == [MAPPED[b"h1"] + 0x1_1000, MAPPED[b"h0"] + 0x100, MAPPED[b"h1"] + 0x1000]
+
+
+@pytest.mark.parametrize("dst,length,names", [
+    ([0x2000_0000, 0x2010_0000], [16, 16], "destination"),  # one past the allocation
+    ([0x3001_0ff0], [32], "destination"),  # across two registered pieces
+    ([0x2000_0000, 0x1fff_fff0], [16, 16], "destination"),  # below the allocation
+])
+def test_a_destination_outside_what_the_peer_registered_is_refused(pair, dst, length, names):
+    me, peer, driver = pair
+    result = me._write_device(peer, _u64([0x1000_0000] * len(dst)), _u64(dst), _u64(length))
+    assert not result.ok and names in result.error and "pid 4242" in result.error
+    assert not driver.copies and not driver.opened
+
+
+def test_a_source_outside_this_process_is_refused(pair):
+    me, peer, driver = pair
+    result = me._write_device(peer, _u64([0x1010_0000]), _u64([0x2000_0000]), _u64([1]))
+    assert not result.ok and "source outside" in result.error
+    assert not driver.copies
