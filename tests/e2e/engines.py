@@ -106,23 +106,32 @@ def distinct_outputs(d: Deployment) -> int:
     return len({complete(d.prefill.url, p).json()["choices"][0]["text"] for p in PROMPTS})
 
 
-def assert_corrupted_kv_changes_the_answer(d: Deployment, prompts: tuple[str, ...]) -> None:
-    """The negative control: the router's two legs by hand, decode told to corrupt the
-    first received block (``corrupt_block``) or to skip the pull (``drop_all``): its
-    greedy answer must then differ from the monolithic one, or the request fail. If it
-    still matched, PD == monolithic could not tell right KV from wrong."""
-    from vllm_flagcx.connector.fault_knobs import FAULTS, PARAM
+def pd_with_fault(d: Deployment, prompt: str | list[int], fault: str, request_id: str,
+                  **extra: object) -> httpx.Response:
+    """The router's two legs by hand, decode told to apply ``fault`` (``corrupt_block``:
+    overwrite the first received block; ``drop_all``: skip the pull) to this request;
+    decode's answer."""
+    from vllm_flagcx.connector.fault_knobs import PARAM
     from vllm_flagcx.router import legs
+
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}
+    leg = httpx.post(d.prefill.url + "/v1/completions", timeout=120,
+                     json=legs.prefill_body(body, request_id))
+    params = {**leg.json()["kv_transfer_params"], PARAM: fault}
+    return httpx.post(d.decode.url + "/v1/completions", timeout=120,
+                      json=legs.decode_body(body, params))
+
+
+def assert_corrupted_kv_changes_the_answer(d: Deployment, prompts: tuple[str, ...]) -> None:
+    """The negative control: with each fault (``pd_with_fault``), decode's greedy answer
+    must differ from the monolithic one, or the request fail. If it still matched,
+    PD == monolithic could not tell right KV from wrong."""
+    from vllm_flagcx.connector.fault_knobs import FAULTS
 
     for fault in FAULTS:
         for i, prompt in enumerate(prompts):
-            body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0}
             expected = complete(d.prefill.url, prompt).json()["choices"][0]["text"]
-            leg = httpx.post(d.prefill.url + "/v1/completions", timeout=120,
-                             json=legs.prefill_body(body, f"negative-{fault}-{i}"))
-            params = {**leg.json()["kv_transfer_params"], PARAM: fault}
-            r = httpx.post(d.decode.url + "/v1/completions", timeout=120,
-                           json=legs.decode_body(body, params))
+            r = pd_with_fault(d, prompt, fault, f"negative-{fault}-{i}")
             if r.status_code == 200:
                 assert r.json()["choices"][0]["text"] != expected, (
                     f"{fault}: decode gave the monolithic answer on wrong KV for "
@@ -185,19 +194,11 @@ def assert_pd_within_rounding(readings: list[dict]) -> None:
 def corrupted_readings(d: Deployment, prompts: list[str | list[int]]) -> list[dict]:
     """The same reading with one corrupted block (decode's ``corrupt_block`` fault), or
     the HTTP status where the request failed; both engines end idle."""
-    from vllm_flagcx.connector.fault_knobs import PARAM
-    from vllm_flagcx.router import legs
-
     seen = []
     for i, prompt in enumerate(prompts):
-        body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                "logprobs": evidence.TOP_K}
         mono = complete(d.prefill.url, prompt, logprobs=evidence.TOP_K).json()["choices"][0]
-        leg = httpx.post(d.prefill.url + "/v1/completions", timeout=120,
-                         json=legs.prefill_body(body, f"rounding-corrupt-{i}"))
-        params = {**leg.json()["kv_transfer_params"], PARAM: "corrupt_block"}
-        r = httpx.post(d.decode.url + "/v1/completions", timeout=120,
-                       json=legs.decode_body(body, params))
+        r = pd_with_fault(d, prompt, "corrupt_block", f"rounding-corrupt-{i}",
+                          logprobs=evidence.TOP_K)
         if r.status_code != 200:
             seen.append({"prompt": label(prompt), "failed": r.status_code})
             continue

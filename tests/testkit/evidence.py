@@ -28,7 +28,6 @@ ROUNDING_NATS = 0.1
 TOP_K = 20  # vLLM's default max_logprobs
 
 
-
 def first_difference(pd: dict[str, Any], mono: dict[str, Any]) -> dict[str, Any] | None:
     """Where two greedy completions part: the index, both tokens, both runs' top-k there and
     the monolithic logprob gap between its pick and PD's (inf: PD's pick is not in its
@@ -94,9 +93,12 @@ class Parting:
     """Where two greedy completions part (``index``; None: never) and ``divergence`` per
     position up to and including it."""
 
-    index: int | None
-    per_position: list[float]
     first_difference: dict[str, Any] | None
+    per_position: list[float]
+
+    @property
+    def index(self) -> int | None:
+        return self.first_difference["index"] if self.first_difference else None
 
     @property
     def typical(self) -> float:
@@ -115,8 +117,7 @@ class Parting:
 
 def parting(pd: dict[str, Any], mono: dict[str, Any]) -> Parting:
     """The bf16 criterion's reading of one prompt (``ROUNDING_NATS`` says why)."""
-    diff, measured = until_parting(pd, mono, divergence)
-    return Parting(diff["index"] if diff else None, measured, diff)
+    return Parting(*until_parting(pd, mono, divergence))
 
 
 def until_parting(pd: dict[str, Any], mono: dict[str, Any], measure: Measure

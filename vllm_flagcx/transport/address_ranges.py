@@ -36,7 +36,8 @@ class RangeTable:
     Disjoint ranges (every registration here) answer with one binary search per
     descriptor into arrays padded with a sentinel at position 0 ("below every range"),
     so the answer takes two gathers and a compare, with no per-descriptor fix-ups; and a
-    batch that lies inside one range (``common``) is answered by reductions alone."""
+    batch that lies inside one range (``common``, tried by ``locate``) is answered by
+    reductions alone."""
 
     def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
         pairs = [(int(lo), int(hi)) for lo, hi in ranges]
@@ -59,11 +60,12 @@ class RangeTable:
         """The range holding every descriptor when one does (the lowest start and the
         highest end fall in the same range, so everything between does), else None; a
         batch that might wrap past 2**64 gets None (``index`` then decides)."""
-        if not start.size or not len(self) or not _cannot_wrap(start, length):
+        if (not start.size or not self.disjoint or not len(self)
+                or not _cannot_wrap(start, length)):
             return None
         first, last = int(start.min()), int((start + length).max())
         k = int(np.searchsorted(self._lo, np.uint64(first), side="right")) - 1
-        if k < 0 or last > int(self._hi[k]) or not self.disjoint:
+        if k < 0 or last > int(self._hi[k]):
             return None
         return int(self._order[k])
 
@@ -91,16 +93,21 @@ class RangeTable:
             out = np.where(held, self._order[k], out)
         return out
 
-    def holds(self, start: np.ndarray, length: np.ndarray) -> bool:
-        """Every descriptor lies whole inside one range."""
+    def locate(self, start: np.ndarray, length: np.ndarray) -> int | np.ndarray:
+        """Which range holds each descriptor: ``common``'s one range (an int) where the
+        batch is worth asking about (one range, or ``COMMON_FIRST_FROM`` descriptors and
+        more) and one range holds it all; else ``index``'s answer per descriptor."""
         start = np.asarray(start, dtype=np.uint64)
         length = np.asarray(length, dtype=np.uint64)
-        if not start.size:
-            return True
-        if self.try_common(start) and self.common(start, length) is not None:
-            return True
-        return bool(np.all(self.index(start, length) != OUTSIDE))
+        if len(self) == 1 or start.size >= COMMON_FIRST_FROM:
+            k = self.common(start, length)
+            if k is not None:
+                return k
+        return self.index(start, length)
 
-    def try_common(self, start: np.ndarray) -> bool:
-        """Whether ``common`` is worth trying first for this batch (``COMMON_FIRST_FROM``)."""
-        return len(self) == 1 or start.size >= COMMON_FIRST_FROM
+    def holds(self, start: np.ndarray, length: np.ndarray) -> bool:
+        """Every descriptor lies whole inside one range."""
+        if not np.size(start):
+            return True
+        where = self.locate(start, length)
+        return isinstance(where, int) or bool(np.all(where != OUTSIDE))

@@ -165,23 +165,21 @@ class LocalTransport(Transport):
         cuda = cuda_ipc.driver()
         if not self._device_table.holds(src, length):
             return WriteResult(False, "source outside this process's registered GPU memory")
-        table = peer.device_table
-        common = table.common(dst, length) if table.try_common(dst) else None
-        where = np.full(1, common, np.int64) if common is not None else table.index(dst, length)
-        if common is None and np.any(where == OUTSIDE):
+        where = peer.device_table.locate(dst, length)  # an int: one allocation holds all
+        if not isinstance(where, int) and np.any(where == OUTSIDE):
             return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
                                       "registered")
         deltas, opened = peer.deltas, peer.opened
         try:
             if not opened.all():  # open each range this batch writes, once per peer
-                needed = np.bincount(where, minlength=len(peer.device_ranges)) > 0
+                needed = np.bincount(np.atleast_1d(where), minlength=len(opened)) > 0
                 for k in np.flatnonzero(needed & ~opened):
                     r = peer.device_ranges[k]
                     local = cuda.open(r.handle, self.device_ranges[0].device)
                     deltas[k] = np.uint64((local - r.base) % (1 << 64))
                     opened[k] = True
             # wraps mod 2**64: peer address - allocation base + this process's mapping
-            mapped = dst + (deltas[common] if common is not None else deltas[where])
+            mapped = dst + deltas[where]
             cuda.copy_batch(self.device_ranges[0].device, mapped, src, length)
         except cuda_ipc.CudaError as exc:
             return WriteResult(False, f"CUDA IPC write into pid {peer.pid} failed: {exc}")
