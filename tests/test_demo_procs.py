@@ -167,17 +167,34 @@ def test_first_error_is_the_root_cause_not_vllms_last_line(tmp_path):
     assert server.first_error().startswith("NotImplementedError: \"causal_conv1d_fwd")
 
 
+AVX512_BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
+
+
 def test_engine_env_drops_harness_settings_and_can_hide_amx(monkeypatch):
     monkeypatch.setenv("VLLM_FLAGCX_MATRIX_ENV", "vllm022")
-    env = sv.child_env(sv.engine_cpu_isa_env("vec"))
+    env = sv.child_env(sv.engine_cpu_isa_env("vec", AVX512_BF16_CPU | {"amx_tile"}))
     assert "VLLM_FLAGCX_MATRIX_ENV" not in env
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(sv.HIDE_AMX_PATH)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(sv.CPU_CLASS_PATH)
+    assert env["FLAGCX_HIDE_CPU_FEATURES"] == "amx"
     assert sv.engine_cpu_isa_env("auto") == {}
-    with pytest.raises(sv.DemoError, match="cpu_isa='amx'"):
-        sv.engine_cpu_isa_env("amx")
 
 
-def test_hide_amx_reaches_the_engine_and_the_processes_it_spawns(tmp_path):
+def test_engine_env_puts_an_engine_on_each_lower_class_and_refuses_a_higher_one():
+    avx2 = sv.engine_cpu_isa_env("avx2", AVX512_BF16_CPU)
+    assert avx2["FLAGCX_HIDE_CPU_FEATURES"] == "amx,avx512_bf16,avx512"
+    assert (avx2["ATEN_CPU_CAPABILITY"], avx2["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
+    assert sv.engine_cpu_isa_env("avx512", AVX512_BF16_CPU)[
+        "FLAGCX_HIDE_CPU_FEATURES"] == "amx,avx512_bf16"
+    with pytest.raises(sv.DemoError, match="cpu_isa='amx'.*needs .*amx_tile.*pick one of "
+                                           "avx2, avx512, avx512_bf16"):
+        sv.engine_cpu_isa_env("amx", AVX512_BF16_CPU)
+    with pytest.raises(sv.DemoError, match="cpu_isa='avx512'"):
+        sv.engine_cpu_isa_env("avx512", frozenset({"avx2"}))
+    with pytest.raises(sv.DemoError, match="use one of vec, auto"):
+        sv.engine_cpu_isa_env("sse", AVX512_BF16_CPU)
+
+
+def test_the_class_switch_reaches_the_engine_and_the_processes_it_spawns(tmp_path):
     """The engine env's sitecustomize replaces the very function vLLM asks
     (``torch.cpu._is_amx_tile_supported``) in the engine process and in a child it starts
     with multiprocessing's spawn (as vLLM starts its engine core), so the check holds on a
@@ -189,13 +206,14 @@ def test_hide_amx_reaches_the_engine_and_the_processes_it_spawns(tmp_path):
         def where(_=None):
             import torch.cpu
             fn = torch.cpu._is_amx_tile_supported
-            return fn.__code__.co_filename, fn()
+            return (fn.__code__.co_filename, fn(), torch.cpu._is_avx512_bf16_supported(),
+                    torch.cpu._is_avx512_supported())
 
         if __name__ == "__main__":
             with mp.get_context("spawn").Pool(1) as pool:
                 print(where(), pool.apply(where))
     """)
-    env = sv.child_env(sv.engine_cpu_isa_env("vec"))
+    env = sv.child_env(sv.engine_cpu_isa_env("avx2", AVX512_BF16_CPU))
     script = tmp_path / "engine_like.py"  # a file: spawn re-imports the main module
     script.write_text(code)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -203,5 +221,5 @@ def test_hide_amx_reaches_the_engine_and_the_processes_it_spawns(tmp_path):
     if "No module named 'torch'" in out.stderr:
         pytest.skip("torch is not installed in this env")
     assert out.returncode == 0, out.stderr[-2000:]
-    hidden = str(sv.HIDE_AMX_PATH / "sitecustomize.py")
-    assert out.stdout.count(f"('{hidden}', False)") == 2, out.stdout
+    hidden = str(sv.CPU_CLASS_PATH / "sitecustomize.py")
+    assert out.stdout.count(f"('{hidden}', False, False, False)") == 2, out.stdout

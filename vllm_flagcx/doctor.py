@@ -105,6 +105,17 @@ def render_no_vllm(data: dict[str, Any], out: TextIO) -> None:
         out.write(f"note: {data['plugins_note']}\n")
 
 
+def missing_dependencies() -> list[str]:
+    """This package's own runtime dependencies that are not importable here (a
+    ``pip install --no-deps .`` skips them; the doctor then says which, not a traceback)."""
+    import importlib.util
+
+    modules = {"packaging": "packaging", "numpy": "numpy", "msgspec": "msgspec",
+               "zmq": "pyzmq"}
+    return [dist for module, dist in modules.items()
+            if importlib.util.find_spec(module) is None]
+
+
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     import argparse
     import importlib.util
@@ -112,21 +123,32 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     parser = argparse.ArgumentParser(prog="vllm-flagcx doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    missing = missing_dependencies()
+    if missing:
+        out.write(f"vllm-flagcx's own dependencies are not installed: {', '.join(missing)}."
+                  f"\nfix: pip install {' '.join(missing)} (or install vllm-flagcx without "
+                  "--no-deps)\n")
+        return 1
+    from vllm_flagcx import machine_report
+
     if importlib.util.find_spec("vllm") is None:
-        report = no_vllm_report()
+        report = {**no_vllm_report(), "machine": machine_report.collect()}
         if args.json:
             json.dump(report, out, indent=2)
             out.write("\n")
         else:
             render_no_vllm(report, out)
+            machine_report.render(report["machine"], out)
         return 1
     # vLLM logs to stdout from its first import; keep stdout for the report alone.
     with contextlib.redirect_stdout(sys.stderr):
         data = collect()
+        data["machine"] = machine_report.collect()
     data["plugins_note"] = _plugins_note()
     if args.json:
         json.dump(data, out, indent=2)
         out.write("\n")
     else:
         render(data, out)
+        machine_report.render(data["machine"], out)
     return 1 if data["missing_required"] else 0

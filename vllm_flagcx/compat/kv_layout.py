@@ -90,15 +90,49 @@ def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int
         return R.attention_blocks_first(base=k.data_ptr(), block_stride=_nbytes_stride(k, 0),
                                         **common)
     if cache.dim() == 4:  # 0.34 [B, H, N, C], K||V in C
-        heads = int(cache.shape[1])
-        return R.attention_packed_kv(layer=name, group=group, kind=kind,
-                                     base=cache.data_ptr(),
-                                     block_stride=_nbytes_stride(cache, 0),
-                                     num_blocks=int(cache.shape[0]), heads=heads,
-                                     global_heads=total_kv_heads,
-                                     head_bytes=_nbytes_stride(cache, 1))
+        return packed_kv_regions(name, cache, group, kind, total_kv_heads)
     raise R.RegionError(f"{name}: attention cache of shape {tuple(cache.shape)} is not a "
                         "known layout")
+
+
+def physical_order(cache: Any, dims: str) -> str:
+    """The letters of ``dims`` (one per logical dimension of ``cache``) ordered from the
+    largest stride to the smallest: the memory order the tensor really has, whatever
+    layout was asked for (size-1 dimensions last, their stride says nothing)."""
+    ranked = sorted(range(len(dims)), key=lambda i: (int(cache.shape[i]) > 1,
+                                                     int(cache.stride(i))), reverse=True)
+    return "".join(dims[i] for i in ranked)
+
+
+def packed_kv_regions(name: str, cache: Any, group: int, kind: str, total_kv_heads: int
+                      ) -> list[R.Region]:
+    """vLLM 0.34's per-layer view: logical ``[B, H, N, C]`` with K||V in C, laid out in
+    memory as the engine's ``KVCacheLayout`` says (LBHNC, BLHNC: heads outside tokens;
+    LBNHC, BLNHC: heads inside tokens; LHBNC, BHLNC: a block's heads not adjacent). Read
+    from the strides, never assumed: a block's ``[H, N, C]`` must be one contiguous run,
+    HND (per-head units, sliceable across TP) or NHD (whole blocks only, equal TP); any
+    other order is refused here, naming it."""
+    heads, tokens, channels = (int(n) for n in cache.shape[1:])
+    s_h, s_n, s_c = (int(cache.stride(i)) for i in (1, 2, 3))
+    elem = int(cache.element_size())
+    order = physical_order(cache, "BHNC")
+    head_bytes = tokens * channels * elem
+    contiguous_c = s_c == 1 or channels == 1
+    hnd = contiguous_c and s_n == channels and (s_h == tokens * channels or heads == 1)
+    nhd = contiguous_c and s_h == channels and (s_n == heads * channels or tokens == 1)
+    outer = int(cache.stride(0)) >= heads * head_bytes // elem or int(cache.shape[0]) == 1
+    if not outer or not (hnd or nhd):
+        raise R.RegionError(
+            f"{name}: KV cache memory order {order} (strides B,H,N,C = "
+            f"{tuple(int(x) for x in cache.stride())}): a block's [H, N, C] is not one "
+            "contiguous run, so it cannot be moved per block; start the engine with an "
+            "HND layout (VLLM_KV_CACHE_LAYOUT=LBHNC, the connector's default request) or "
+            "NHD (LBNHC) at equal TP sizes")
+    return R.attention_packed_kv(layer=name, group=group, kind=kind, base=cache.data_ptr(),
+                                 block_stride=_nbytes_stride(cache, 0),
+                                 num_blocks=int(cache.shape[0]), heads=heads,
+                                 global_heads=total_kv_heads, head_bytes=head_bytes,
+                                 interleaved=not hnd)
 
 
 def mla_regions(name: str, cache: Any, spec: Any, group: int) -> list[R.Region]:

@@ -211,7 +211,11 @@ class FlagCXConnector(PortableConnectorBase):
         return WorkerHalf(settings, transport)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm_flagcx.connector.worker_setup import kv_cache_regions, warn_on_cpu_binding
+        from vllm_flagcx.connector.worker_setup import (
+            kv_cache_regions,
+            start_line,
+            warn_on_cpu_binding,
+        )
 
         regions = kv_cache_regions(self._vllm_config, self.kv_cache_config, self.tp_size,
                                    kv_caches)
@@ -222,6 +226,13 @@ class FlagCXConnector(PortableConnectorBase):
         ktc = self._vllm_config.kv_transfer_config
         self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
                                      logical_num_blocks=self.kv_cache_config.num_blocks)
+        logger.info(start_line(
+            role="prefill" if ktc.is_kv_producer else "decode",
+            tp_rank=self.worker.settings.tp_rank, transport=self.worker.transport.name,
+            advertised_host=self.settings.side_channel_host,
+            bind_host=self.settings.bind_host,
+            port=self.side_channel_port + self.worker.settings.tp_rank,
+            host_memory=host_memory, secret=self._key is not None))
         warn_on_cpu_binding(host_memory)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

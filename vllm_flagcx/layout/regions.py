@@ -76,10 +76,14 @@ def _check_positive(**values: int) -> None:
 def _head_section(name: str, offset: int, heads: int, head_bytes: int, global_heads: int,
                   interleaved: bool) -> Section:
     """Per-head units (HND: each head's tokens contiguous), or, when heads interleave with
-    tokens (NHD), one unit that cannot be split across TP ranks: its name says so, and a
-    peer that slices per head is refused by it (``plans``)."""
+    tokens (NHD), one unit per rank that cannot be split across TP ranks: its name says
+    so, and a peer that slices otherwise is refused by it (``plans``). The NHD unit counts
+    ``global_heads // heads`` rank-shards globally, so the model's page bytes
+    (``global_units * unit_bytes``) do not depend on the TP size and the refusal at
+    another TP size is the NHD one, not a page-size mismatch."""
     if interleaved and heads > 1:
-        return Section(f"{name}_nhd_unsplittable", offset, 1, heads * head_bytes, 1)
+        return Section(f"{name}_nhd_unsplittable", offset, 1, heads * head_bytes,
+                       max(1, global_heads // heads))
     return Section(name, offset, heads, head_bytes, global_heads)
 
 
@@ -111,10 +115,14 @@ def attention_blocks_first(*, layer: str, group: int, kind: str, base: int,
 
 def attention_packed_kv(*, layer: str, group: int, kind: str, base: int, block_stride: int,
                         num_blocks: int, heads: int, global_heads: int,
-                        head_bytes: int) -> list[Region]:
-    """0.34 ``[B, H, N, C]`` with K||V concatenated in C: one section of whole heads."""
+                        head_bytes: int, interleaved: bool = False) -> list[Region]:
+    """0.34 ``[B, H, N, C]`` with K||V concatenated in C: one section of whole heads
+    (HND), or of one unsplittable unit when heads interleave with tokens (NHD)."""
     _check_positive(block_stride=block_stride, heads=heads, head_bytes=head_bytes)
-    section = Section("heads", 0, heads, head_bytes, global_heads)
+    if heads * head_bytes > block_stride:
+        raise RegionError(f"{layer}: {heads} heads of {head_bytes} bytes exceed the block "
+                          f"stride ({block_stride} bytes)")
+    section = _head_section("heads", 0, heads, head_bytes, global_heads, interleaved)
     return [Region(f"{layer}.kv", layer, group, kind, base, block_stride, num_blocks,
                    heads * head_bytes, (section,))]
 
