@@ -33,6 +33,8 @@ layouts_module = pytest.importorskip("vllm.v1.kv_cache_layout",
                                      reason="this vLLM has no KVCacheLayout (<= 0.22)")
 KVCacheLayout = layouts_module.KVCacheLayout
 allocate_kv_cache = importlib.import_module("vllm.v1.worker.utils").allocate_kv_cache
+compute_layout_strides = importlib.import_module(
+    "vllm.v1.kv_cache_interface").compute_layout_strides
 
 GLOBAL_HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS, LAYERS = 4, 8, 16, 6, 2
 SENTINEL = -1.0
@@ -43,18 +45,17 @@ TP_PAIRS = [(1, 1), (2, 2), (2, 1), (1, 2)]
 
 
 def _config(tp: int, layout: KVCacheLayout):
-    """A real KVCacheConfig of one tensor holding both layers, strided as ``layout``
-    places them (layer-outermost or block-outermost)."""
+    """A real KVCacheConfig of one tensor holding both layers, strided as vLLM places
+    them for ``layout``."""
     spec = vllm_builders.make_full_attention_spec(
         block_size=BLOCK, num_kv_heads=GLOBAL_HEADS // tp, head_size=HEAD_SIZE,
         dtype=torch.float32)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    page = spec.page_size_bytes
-    layer_outer = layout.name.startswith("L")
+    # the layer and block strides vLLM's own planner derives for this member
+    layer_stride, block_stride = compute_layout_strides(spec, NUM_BLOCKS, LAYERS, layout)[:2]
     tensor = vllm_builders.resolve("KVCacheTensor")(
-        size=page * NUM_BLOCKS * LAYERS, layers=names,
-        layer_stride=page * NUM_BLOCKS if layer_outer else page,
-        block_stride=page if layer_outer else page * LAYERS)
+        size=spec.page_size_bytes * NUM_BLOCKS * LAYERS, layers=names,
+        layer_stride=layer_stride, block_stride=block_stride)
     group = vllm_builders.resolve("KVCacheGroupSpec")(layer_names=names, kv_cache_spec=spec)
     return vllm_builders.resolve("KVCacheConfig")(num_blocks=NUM_BLOCKS,
                                                   kv_cache_tensors=[tensor],
