@@ -76,8 +76,8 @@ def test_the_demo_runs_a_model_its_engines_can_run(kind, klass, gpu, expected):
 
 
 def test_the_demo_refuses_what_its_engines_cannot_run_before_starting_them():
-    with pytest.raises(sv.DemoError, match="hybrid on CPU class avx2.*MoE.*--model-kind "
-                                           "sliding"):
+    with pytest.raises(sv.DemoError, match=r"hybrid on CPU class avx2.*MoE.*--model-kind "
+                                           r"sliding"):
         demo_run.model_kind_for("hybrid", "avx2", False)
     with pytest.raises(sv.DemoError, match="mamba2 needs a GPU"):
         demo_run.model_kind_for("mamba2", "avx512_bf16", False)

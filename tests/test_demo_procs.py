@@ -185,8 +185,8 @@ def test_engine_env_puts_an_engine_on_each_lower_class_and_refuses_a_higher_one(
     assert (avx2["ATEN_CPU_CAPABILITY"], avx2["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
     assert sv.engine_cpu_isa_env("avx512", AVX512_BF16_CPU)[
         "FLAGCX_HIDE_CPU_FEATURES"] == "amx,avx512_bf16"
-    with pytest.raises(sv.DemoError, match="cpu_isa='amx'.*needs .*amx_tile.*pick one of "
-                                           "avx2, avx512, avx512_bf16"):
+    with pytest.raises(sv.DemoError, match=r"cpu_isa='amx'.*needs .*amx_tile.*pick one of "
+                                           r"avx2, avx512, avx512_bf16"):
         sv.engine_cpu_isa_env("amx", AVX512_BF16_CPU)
     with pytest.raises(sv.DemoError, match="cpu_isa='avx512'"):
         sv.engine_cpu_isa_env("avx512", frozenset({"avx2"}))

@@ -112,7 +112,7 @@ def test_every_element_of_vllms_own_views_arrives_or_the_layout_is_refused(layou
     d_caches = _rank_caches(d_tp, layout, "sentinel")
     kind = MOVABLE.get(layout.name)
     if kind is None:
-        with pytest.raises(RegionError, match="memory order .*not one contiguous run"):
+        with pytest.raises(RegionError, match=r"memory order .*not one contiguous run"):
             _move(p_caches, d_caches, p_tp, d_tp, layout, p_blocks, d_blocks)
         return
     if kind == "NHD" and p_tp != d_tp:
