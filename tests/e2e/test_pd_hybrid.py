@@ -20,6 +20,7 @@ from engines import (
     assert_pd_equals_monolithic,
     deployed,
     distinct_outputs,
+    skip_unless_class_runs,
 )
 
 pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
+    skip_unless_class_runs("hybrid")
     with deployed(tmp_path_factory.mktemp("e2e-hybrid"), "hybrid", "float32") as d:
         yield d
 
