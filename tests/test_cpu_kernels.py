@@ -51,6 +51,10 @@ def test_engine_env_hides_exactly_the_features_above_the_class():
                       "avx512_bf16": "amx", "amx": ""}
     assert "ATEN_CPU_CAPABILITY" not in ck.engine_env(ck.AVX512_BF16)
     assert ck.engine_env(ck.AVX512)["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    from pathlib import Path
+
+    caches = {ck.engine_env(k, Path("/c"))["VLLM_CACHE_ROOT"] for k in ck.CLASSES}
+    assert caches == {f"/c/{k.name}/vllm" for k in ck.CLASSES}  # one compile cache each
 
 
 def test_process_class_reads_the_mapped_library(monkeypatch):

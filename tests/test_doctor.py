@@ -64,3 +64,19 @@ def test_cli_usage(argv, capsys):
     assert "doctor" in captured.err  # usage errors go to stderr
     if argv:
         assert f"unknown command {argv[0]!r}" in captured.err
+
+
+def test_doctor_names_missing_dependencies_instead_of_a_traceback(monkeypatch):
+    """After ``pip install --no-deps .`` the doctor used to die on ``import packaging``."""
+    import importlib.util
+    import io
+
+    from vllm_flagcx import doctor as doctor_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "packaging" else real(name, *a))
+    out = io.StringIO()
+    assert doctor_module.main([], out=out) == 1
+    assert "not installed: packaging" in out.getvalue()
+    assert "pip install packaging" in out.getvalue()

@@ -35,6 +35,10 @@ class Deployment:
             sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
             self.side, dtype, cpu_isa=cpu_isa, test_faults=True, engine_args=engine_args,
             max_model_len=max_model_len)
+        for server in (self.prefill, self.decode):
+            # the test kit quiets vLLM to WARNING in this process (testkit.cpu_platform);
+            # the engines log at INFO, where the connector's start line is
+            server.env["VLLM_LOGGING_LEVEL"] = "INFO"
         self.model = model
 
     def restart(self, server: sv.Server) -> None:

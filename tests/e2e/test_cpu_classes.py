@@ -79,7 +79,8 @@ def test_prefill_and_decode_on_two_libraries_move_the_same_bytes(lower_class):
     moved KV)."""
     name, d = lower_class
     own = sv.engine_cpu_isa_env("vec")
-    for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu_kernels.HIDE_ENV):
+    for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", cpu_kernels.HIDE_ENV,
+                "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
         d.decode.env.pop(key, None)
     d.decode.env.update(own)
     d.restart(d.decode)

@@ -114,10 +114,17 @@ def resolve(name: str, flags: frozenset[str]) -> CpuClass:
     return wanted
 
 
-def engine_env(wanted: CpuClass) -> dict[str, str]:
+def engine_env(wanted: CpuClass, cache_root: Path | None = None) -> dict[str, str]:
     """Environment variables that put an engine on ``wanted`` (the switch's module path
-    is the caller's to add to ``PYTHONPATH``)."""
+    is the caller's to add to ``PYTHONPATH``). ``cache_root``: a compile cache of this
+    class's own (vLLM's ``VLLM_CACHE_ROOT`` and inductor's ``TORCHINDUCTOR_CACHE_DIR``
+    under it). vLLM keys its AOT compile cache by model and config, not by kernel
+    library: a decode restarted on AVX-512 loaded what an AVX2 prefill had compiled,
+    recompiled over it and died (``malloc(): unaligned tcache chunk detected``)."""
     env = {HIDE_ENV: ",".join(wanted.hides)}
+    if cache_root is not None:
+        env["VLLM_CACHE_ROOT"] = str(cache_root / wanted.name / "vllm")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root / wanted.name / "inductor")
     if wanted.aten:
         env["ATEN_CPU_CAPABILITY"] = wanted.aten
     if wanted.onednn:

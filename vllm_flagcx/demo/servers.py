@@ -171,7 +171,18 @@ def engine_cpu_isa_env(cpu_isa: str, flags: frozenset[str] | None = None) -> dic
         raise DemoError(str(exc)) from None
     path = os.pathsep.join(p for p in (str(CPU_CLASS_PATH), os.environ.get("PYTHONPATH"))
                            if p)
-    return {"PYTHONPATH": path, **cpu_kernels.engine_env(wanted)}
+    return {"PYTHONPATH": path, **cpu_kernels.engine_env(wanted, class_cache_root())}
+
+
+def class_cache_root() -> Path:
+    """Where engines on a chosen CPU class keep their compile caches, one folder per
+    class (``compat.cpu_kernels.engine_env`` says why): ``VLLM_FLAGCX_CPU_CLASS_CACHE``,
+    else ``$XDG_CACHE_HOME`` (or ``~/.cache``)/vllm-flagcx/cpu-class."""
+    configured = os.environ.get("VLLM_FLAGCX_CPU_CLASS_CACHE")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vllm-flagcx" / "cpu-class"
 
 
 def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
