@@ -140,8 +140,10 @@ def test_every_backend_familys_layout_moves_the_right_bytes(layout, p_tp, d_tp):
     cache used to stop the connector: "not a known layout"), and every backend class the
     installed vLLM imports, allocated from its own ``get_kv_cache_shape`` and
     ``get_kv_cache_stride_order`` (``testkit.backend_layouts``). NHD cannot be sliced per
-    head: between different TP sizes each request fails naming the layout and the fix,
-    and decode recomputes it (no wrong bytes: the check runs before any write)."""
+    head: between different TP sizes each request fails naming the layout and the fix, and
+    ends as vLLM's ``kv_load_failure_policy`` says (``recompute``: computed on decode;
+    ``fail``, the default from 0.20: finished with an error); never with wrong bytes, the
+    check runs before any write."""
     port = pd.free_port()
     physical = pd.ATTN_LAYOUTS[layout][0]
     refused = p_tp != d_tp and physical.endswith("NHD")  # heads inside each token
