@@ -172,8 +172,10 @@ AVX512_BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
 
 def test_engine_env_drops_harness_settings_and_can_hide_amx(monkeypatch):
     monkeypatch.setenv("VLLM_FLAGCX_MATRIX_ENV", "vllm022")
+    monkeypatch.setenv("VLLM_FLAGCX_SIDE_CHANNEL_SECRET", "a-user-secret-of-16+")
     env = sv.child_env(sv.engine_cpu_isa_env("vec", AVX512_BF16_CPU | {"amx_tile"}))
     assert "VLLM_FLAGCX_MATRIX_ENV" not in env
+    assert env["VLLM_FLAGCX_SIDE_CHANNEL_SECRET"] == "a-user-secret-of-16+"  # kept
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(sv.CPU_CLASS_PATH)
     assert env["FLAGCX_HIDE_CPU_FEATURES"] == "amx"
     assert sv.engine_cpu_isa_env("auto") == {}

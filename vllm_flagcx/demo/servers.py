@@ -121,11 +121,18 @@ def stop_all(servers: list[Server], grace: float = procs.GRACE_SECONDS) -> None:
         raise DemoError(f"process groups {left} did not stop; kill them: kill -9 -PGID")
 
 
+# The connector's own environment settings: a started server keeps them (dropping the
+# secret silently made the engines serve an unauthenticated side channel).
+PRODUCT_ENV = ("VLLM_FLAGCX_SIDE_CHANNEL_SECRET", "VLLM_FLAGCX_CUDA_BATCHED_COPY")
+
+
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment of a started server: ours, minus the test harness's
     ``VLLM_FLAGCX_*`` settings (vLLM warns about every unknown ``VLLM_`` variable, and
-    that warning then looked like the engine's state), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_FLAGCX_")}
+    that warning then looked like the engine's state) but with the connector's own
+    (``PRODUCT_ENV``), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("VLLM_FLAGCX_") or k in PRODUCT_ENV}
     return {**env, **extra}
 
 
