@@ -216,9 +216,21 @@ def test_a_transfer_id_alone_does_not_let_another_decode_read_it():
             inst.shutdown()
 
 
-def test_rogue_prefill_reply_naming_foreign_addresses_fails_the_request_no_read():
-    """A prefill that answers a pull with an integrity sample at an address decode never
-    registered: decode used to read it (SIGSEGV); now the request fails and recomputes."""
+ROGUE_REPLIES = {
+    # an integrity sample at an address decode never registered: decode used to read it
+    # (SIGSEGV)
+    "foreign_sample": lambda pull: hs.PullReply(pull.transfer_id, True, "", 64, 1,
+                                                ((8, 64),), 0),  # address 8: never mapped
+    # "ok" for another transfer: decode used to take it as this request's finished load
+    "other_transfer": lambda pull: hs.PullReply(pull.transfer_id + "-other", True, "", 64,
+                                                1),
+}
+
+
+@pytest.mark.parametrize("reply", sorted(ROGUE_REPLIES))
+def test_rogue_prefill_reply_fails_the_request_no_read(reply):
+    """A prefill whose pull reply decode must not trust: the request fails (its blocks
+    reported for recompute), and nothing is read or counted as received."""
     port = pd.free_port()
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
     honest = pd.build_instance("kv_producer", 1, port + 20, model="dense")
@@ -239,8 +251,7 @@ def test_rogue_prefill_reply_naming_foreign_addresses_fails_the_request_no_read(
                 answer: hs.Message = hs.HandshakeReply(msgspec.structs.replace(
                     honest.workers[0].sheet))
             elif isinstance(message, hs.PullRequest):
-                answer = hs.PullReply(message.transfer_id, True, "", 64, 1,
-                                      ((8, 64),), 0)  # address 8: never mapped
+                answer = ROGUE_REPLIES[reply](message)
             else:
                 answer = hs.Ack("")
             sock.send(hs.encode(answer))

@@ -116,6 +116,11 @@ class Puller:
                 error = getattr(reply, "error", type(reply).__name__)
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {error}")
                 return
+            if reply.transfer_id != remote.transfer_id:  # an answer to another pull
+                self._fail_after_release(task, flat, (
+                    f"P rank {p_rank} answered for transfer {reply.transfer_id!r}, not "
+                    f"{remote.transfer_id!r}: the reply is not this request's"))
+                return
             if reply.sample and self._integrity_checked():
                 stray = integrity.outside(list(reply.sample), self._storages)
                 if stray is not None:
