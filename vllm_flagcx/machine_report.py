@@ -22,14 +22,19 @@ def cpu_report(flags: frozenset[str] | None = None) -> dict[str, Any]:
         return {"class": None, "library": None, "reachable": [], "limits": [],
                 "fix": "no AVX2 (or not x86): vLLM's x86 CPU build cannot run here; use "
                        "the build of this architecture or a GPU build"}
+    limits = list(native.limits)
+    if native.hybrid_blocker:
+        limits.append(f"GDN hybrid models: {native.hybrid_blocker}")
     return {"class": native.name, "library": native.library,
             "reachable": [c.name for c in cpu_kernels.reachable(flags)],
-            "limits": list(native.limits), "fix": None}
+            "limits": limits, "fix": None}
 
 
 def flagcx_report(configured_library: str | None = None) -> dict[str, Any]:
     """Whether libflagcx loads (with every symbol the binding calls) and an RDMA device
     exists, and the transport ``auto`` picks from that."""
+    from vllm_flagcx.connector.settings import ConnectorSettings
+    from vllm_flagcx.connector.transport_choice import chosen_transport
     from vllm_flagcx.transport.flagcx import (
         FlagCXLoadError,
         library_path,
@@ -48,7 +53,9 @@ def flagcx_report(configured_library: str | None = None) -> dict[str, Any]:
     except OSError as exc:  # a path that is not a loadable library
         library["detail"] = f"{type(exc).__name__}: {exc}"
     devices = rdma_devices()
-    auto = "flagcx" if library["ok"] and devices else "local"
+    defaults = ConnectorSettings.from_extra(
+        {"flagcx_library": configured_library} if configured_library else None)
+    auto = chosen_transport(defaults)  # the connector's own rule, not a copy of it
     why = ("libflagcx loads and this host has an RDMA device" if auto == "flagcx" else
            "libflagcx is not loadable here" if not library["ok"] else
            "no RDMA device here")

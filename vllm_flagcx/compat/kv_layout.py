@@ -115,7 +115,6 @@ def packed_kv_regions(name: str, cache: Any, group: int, kind: str, total_kv_hea
     heads, tokens, channels = (int(n) for n in cache.shape[1:])
     s_h, s_n, s_c = (int(cache.stride(i)) for i in (1, 2, 3))
     elem = int(cache.element_size())
-    order = physical_order(cache, "BHNC")
     head_bytes = tokens * channels * elem
     contiguous_c = s_c == 1 or channels == 1
     hnd = contiguous_c and s_n == channels and (s_h == tokens * channels or heads == 1)
@@ -123,8 +122,8 @@ def packed_kv_regions(name: str, cache: Any, group: int, kind: str, total_kv_hea
     outer = int(cache.stride(0)) >= heads * head_bytes // elem or int(cache.shape[0]) == 1
     if not outer or not (hnd or nhd):
         raise R.RegionError(
-            f"{name}: KV cache memory order {order} (strides B,H,N,C = "
-            f"{tuple(int(x) for x in cache.stride())}): a block's [H, N, C] is not one "
+            f"{name}: KV cache memory order {physical_order(cache, 'BHNC')} (strides "
+            f"B,H,N,C = {tuple(int(x) for x in cache.stride())}): a block's [H, N, C] is not one "
             "contiguous run, so it cannot be moved per block; start the engine with an "
             "HND layout (VLLM_KV_CACHE_LAYOUT=LBHNC, the connector's default request) or "
             "NHD (LBNHC) at equal TP sizes")

