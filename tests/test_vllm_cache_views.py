@@ -142,3 +142,44 @@ def test_the_refusal_names_the_memory_order_and_the_fix():
         kv_layout.regions_for_kv_caches(caches, _config(1, layout), 1, GLOBAL_HEADS, "DS")
     message = str(info.value)
     assert "HBNC" in message and "VLLM_KV_CACHE_LAYOUT=LBHNC" in message
+
+
+def _old_packed_kv_regions(name, cache, group, kind, total_kv_heads):
+    """The 4-d reading before the fix: heads = shape[1], one head = stride(1) bytes, heads
+    assumed outside tokens (moved one token per block of LBNHC / BLNHC)."""
+    from vllm_flagcx.layout import regions as R
+
+    elem = int(cache.element_size())
+    return R.attention_packed_kv(layer=name, group=group, kind=kind, base=cache.data_ptr(),
+                                 block_stride=int(cache.stride(0)) * elem,
+                                 num_blocks=int(cache.shape[0]), heads=int(cache.shape[1]),
+                                 global_heads=total_kv_heads,
+                                 head_bytes=int(cache.stride(1)) * elem, interleaved=False)
+
+
+@pytest.mark.parametrize("old_reading", [False, True], ids=["fixed", "old-4d-reading"])
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC,
+                                    KVCacheLayout.LBHNC], ids=lambda m: m.name)
+def test_the_logical_sample_catches_the_old_nhd_reading(monkeypatch, layout, old_reading):
+    """Prefill's and decode's logical samples over vLLM's own views, after the planned
+    copy: equal with today's regions, different with the reading that moved one token per
+    NHD block (where the old byte sample passed: it compares the plan with itself)."""
+    from vllm_flagcx.compat import kv_views
+    from vllm_flagcx.connector import integrity
+
+    if old_reading:
+        monkeypatch.setattr(kv_layout, "packed_kv_regions", _old_packed_kv_regions)
+    p_blocks, d_blocks = [4, 1, 3], [2, 5, 0]
+    p_caches = _rank_caches(1, layout, "encoded")
+    d_caches = _rank_caches(1, layout, "sentinel")
+    _move(p_caches, d_caches, 1, 1, layout, p_blocks, d_blocks)
+    config = _config(1, layout)
+    p_views, d_views = (kv_views.attention_views(c[0], config, GLOBAL_HEADS, None, [1])
+                        for c in (p_caches, d_caches))
+    entries = integrity.logical_sample(p_views, [p_blocks], [d_blocks], [None], 0, 1, 0, 1)
+    assert len(entries) >= GLOBAL_HEADS
+    mismatch = integrity.logical_mismatch(d_views, list(entries), [d_blocks], 0, 1)
+    if old_reading and layout.name in ("LBNHC", "BLNHC"):
+        assert mismatch is not None and "logical integrity check failed" in mismatch
+    else:
+        assert mismatch is None

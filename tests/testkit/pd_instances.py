@@ -27,7 +27,7 @@ from testkit.pd_caches import (
     sliding_rank_kv_cache_config,
 )
 from testkit.transport_standin import Faults, MemmoveTransport
-from vllm_flagcx.compat import kv_cache, kv_layout
+from vllm_flagcx.compat import kv_cache, kv_layout, kv_views
 from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
 from vllm_flagcx.connector.scheduler import reports_failures_per_request
@@ -176,9 +176,11 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    extra: dict | None = None, test_faults: bool = False,
                    cache_format: str = "CPU_ATTN:isa=vec:layout=HND",
                    secret_file: str | None = None, engine_id: str | None = None,
-                   attn_layout: str = "flash_hnd") -> Instance:
+                   attn_layout: str = "flash_hnd",
+                   failure_policy: str | None = None) -> Instance:
     """``secret_file``: the side-channel secret (wire.auth) for the scheduler (through
-    the extra config) and the workers."""
+    the extra config) and the workers. ``failure_policy``: vLLM's
+    ``kv_load_failure_policy`` where this build has it (None: the build's default)."""
     hybrid = model == "hybrid"
     key = auth.load_key(secret_file)
     if secret_file:
@@ -194,6 +196,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                       prefix_caching=prefix_caching)
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp
+    if failure_policy is not None:
+        config.kv_transfer_config.kv_load_failure_policy = failure_policy
     if model == "mla":
         rank_config = mla_rank_kv_cache_config(tp, num_blocks)
     elif model == "sliding":
@@ -256,7 +260,9 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                            verify_integrity=verify_integrity,
                                            test_faults=test_faults, key=key),
                             MemmoveTransport(faults))
+        ratios = [kernel_ratio] * len(caches.config.kv_cache_groups)
+        views = kv_views.attention_views(caches.caches, caches.config, KV_HEADS, dims, ratios)
         worker.register_regions(regions, serve=role == "kv_producer",
-                                logical_num_blocks=caches.config.num_blocks)
+                                logical_num_blocks=caches.config.num_blocks, views=views)
         workers.append(worker)
     return Instance(scheduler, workers, ranks, tp)

@@ -212,20 +212,26 @@ class FlagCXConnector(PortableConnectorBase):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm_flagcx.connector.worker_setup import (
+            attention_dims,
             kv_cache_regions,
+            kv_cache_views,
             start_line,
             warn_on_cpu_binding,
         )
 
+        dims = attention_dims(self._vllm_config, self.kv_cache_config)
         regions = kv_cache_regions(self._vllm_config, self.kv_cache_config, self.tp_size,
-                                   kv_caches)
+                                   kv_caches, dims)
         first = next(iter(kv_caches.values()))
         first = first[0] if isinstance(first, (list, tuple)) else first
         host_memory = first.device.type == "cpu"
         self.worker = self._make_worker(regions, host_memory)
         ktc = self._vllm_config.kv_transfer_config
-        self.worker.register_regions(regions, serve=bool(ktc.is_kv_producer),
-                                     logical_num_blocks=self.kv_cache_config.num_blocks)
+        self.worker.register_regions(
+            regions, serve=bool(ktc.is_kv_producer),
+            logical_num_blocks=self.kv_cache_config.num_blocks,
+            views=kv_cache_views(self._vllm_config, self.kv_cache_config, kv_caches, dims,
+                                 regions))
         logger.info(start_line(
             role="prefill" if ktc.is_kv_producer else "decode",
             tp_rank=self.worker.settings.tp_rank, transport=self.worker.transport.name,

@@ -1,4 +1,5 @@
-"""End-to-end integrity check: a checksum over a sample of what prefill wrote.
+"""End-to-end integrity checks of a pull: the bytes the plan named arrived (byte sample),
+and they mean the same on both sides (logical sample).
 
 FlagCX's ``BatchWriteSync`` can return success when RDMA slices failed, so success from
 the transport is not proof. Prefill picks up to ``max_samples`` descriptors spread over
@@ -8,6 +9,16 @@ of its own memory after the reply. The tail of a descriptor is what a lost slice
 first. Cost: a few KiB read per request. Device memory is read through the CUDA driver
 (16 small device-to-host copies); where no CUDA driver is (other vendors' device memory)
 the check is skipped, and decode says so once.
+
+The byte sample cannot see a plan that names the wrong bytes (it compares what the plan
+moved with itself). The logical sample can: prefill picks (layer, block, token, head) keys
+(``layout.logical.sample_keys``), reads each element through the tensor's own indexing
+(``compat.kv_views``) and sends a crc per key; decode refuses keys it may not read
+(``layout.logical.refuse_keys``), reads the same elements of its own blocks, and fails the
+request on the first difference, naming it. Both samples are read by prefill before its
+reply (the blocks may be reused right after) and by decode after every prefill rank
+replied (each rank's write is complete when it replies); decode's read is on the pull's
+critical path: ``benchmarks/b2c_write_checks.py`` measures both.
 """
 
 from __future__ import annotations
@@ -15,10 +26,13 @@ from __future__ import annotations
 import ctypes
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from vllm_flagcx.layout import plans
+from vllm_flagcx.layout import logical, plans
+from vllm_flagcx.layout.logical import LogicalKey
+from vllm_flagcx.layout.topology import head_range
 
 Reader = Callable[[int, int], bytes]
 
@@ -78,3 +92,62 @@ def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
     for address, size in ranges:
         crc = zlib.crc32(read(address, size), crc)
     return crc
+
+
+LogicalEntry = tuple[str, int, int, int, int]  # (layer, receiver block, token, head, crc)
+
+
+def _local(view: Any, keys: list[tuple[int, int, int]], first_head: int) -> list[int]:
+    """crcs of (logical block, token, global head) elements of one layer's view."""
+    located = [logical.locate(b, t, view.ratio, view.kernel_block_size) for b, t, _ in keys]
+    return view.crcs([k for k, _ in located], [s for _, s in located],
+                     [h - first_head for _, _, h in keys])
+
+
+def logical_sample(views: dict[str, Any], sender_ids: list[list[int]],
+                   receiver_ids: list[list[int]], offsets: list[int | None],
+                   rank: int, tp: int, peer_rank: int, peer_tp: int) -> tuple[LogicalEntry, ...]:
+    """Prefill: the keys of this (rank, peer rank) pair with the crc of each as THIS side
+    holds it. Empty when the two ranks share no head or no block."""
+    if not views:
+        return ()
+    pairs = [plans.align_block_ids(s, r, offsets[g] if offsets else None)
+             for g, (s, r) in enumerate(zip(sender_ids, receiver_ids, strict=True))]
+    facts = {name: v.facts for name, v in views.items()}
+    global_heads = next(iter(facts.values())).global_heads
+    mine = head_range(rank, tp, global_heads)
+    heads = logical.shared_heads(mine, head_range(peer_rank, peer_tp, global_heads))
+    picked = logical.sample_keys(facts, pairs, heads)
+    out: list[LogicalEntry] = []
+    for name in dict.fromkeys(k.layer for k, _ in picked):
+        rows = [(k, s) for k, s in picked if k.layer == name]
+        first = head_range(rank, tp, views[name].facts.global_heads)[0]
+        crcs = _local(views[name], [(s, k.token, k.head) for k, s in rows], first)
+        out += [(k.layer, k.block, k.token, k.head, c) for (k, _), c in zip(rows, crcs,
+                                                                           strict=True)]
+    return tuple(out)
+
+
+def logical_mismatch(views: dict[str, Any], entries: list[LogicalEntry],
+                     block_ids: list[list[int]], rank: int, tp: int) -> str | None:
+    """Decode: why the request's bytes are not prefill's (a refused key or the first
+    differing element), or None when every key matches."""
+    if not views or not entries:
+        return None
+    keys = [LogicalKey(str(e[0]), int(e[1]), int(e[2]), int(e[3])) for e in entries]
+    facts = {name: v.facts for name, v in views.items()}
+    global_heads = next(iter(facts.values())).global_heads
+    own = head_range(rank, tp, global_heads)
+    refusal = logical.refuse_keys(keys, facts, block_ids, own)
+    if refusal is not None:
+        return refusal
+    for name in dict.fromkeys(k.layer for k in keys):
+        rows = [(k, int(e[4])) for k, e in zip(keys, entries, strict=True) if k.layer == name]
+        first = head_range(rank, tp, views[name].facts.global_heads)[0]
+        got = _local(views[name], [(k.block, k.token, k.head) for k, _ in rows], first)
+        for (key, want), have in zip(rows, got, strict=True):
+            if want != have:
+                return (f"logical integrity check failed at {key.layer} block {key.block} "
+                        f"token {key.token} KV head {key.head}: decode holds other data than "
+                        "prefill sent (the transfer plan named the wrong bytes)")
+    return None

@@ -30,6 +30,7 @@ class Puller:
     """Decode side of ``WorkerHalf`` (see the module docstring)."""
 
     settings: Any
+    views: dict[str, Any]
     stats: Any
     ledger: Any
     _lock: threading.Lock
@@ -105,6 +106,7 @@ class Puller:
                                  tuple(tuple(g) for g in task.block_ids),
                                  tuple(task.offsets))
         total = 0
+        entries: list[integrity.LogicalEntry] = []
         for p_rank in senders:
             try:
                 reply = self._ask(remote.remote_host, remote.remote_port + p_rank, request,
@@ -137,6 +139,16 @@ class Puller:
                         "did not land"))
                     return
             total += reply.num_bytes
+            entries += reply.logical
+        if self.settings.verify_integrity:
+            mismatch = integrity.logical_mismatch(
+                self.views, entries, [list(g) for g in task.block_ids],
+                self.settings.tp_rank, self.settings.tp_size)
+            self.stats["integrity_logical_keys"] += len(entries)
+            if mismatch is not None:
+                self.stats["integrity_failures"] += 1
+                self._fail_after_release(task, flat, mismatch)
+                return
         if fault == "corrupt_block":
             fault_knobs.corrupt_first_block(
                 self.regions, task.block_ids,

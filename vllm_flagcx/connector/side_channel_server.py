@@ -42,6 +42,7 @@ class SideChannelServer:
     """Prefill side of ``WorkerHalf`` (see the module docstring)."""
 
     settings: Any
+    views: dict[str, Any]
     transport: Any
     stats: Any
 
@@ -238,7 +239,22 @@ class SideChannelServer:
                 logger.warning("FlagCX integrity sample of %s not taken: %s",
                                pull.transfer_id, exc)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
-                            sample, crc)
+                            sample, crc, self._logical_sample(send, pull))
+
+    def _logical_sample(self, send: Send, pull: hs.PullRequest
+                        ) -> tuple[integrity.LogicalEntry, ...]:
+        if not self.settings.verify_integrity:
+            return ()
+        try:
+            return integrity.logical_sample(
+                self.views, [list(g) for g in send.task.block_ids],
+                [list(g) for g in pull.block_ids], list(pull.offsets),
+                self.settings.tp_rank, self.settings.tp_size, pull.sheet.tp_rank,
+                pull.sheet.tp_size)
+        except Exception as exc:  # the bytes moved; only the proof of it is lost
+            logger.warning("FlagCX logical integrity sample of %s not taken: %s",
+                           pull.transfer_id, exc)
+            return ()
 
     def _connection(self, sheet: hs.FactSheet) -> object:
         with self._connect_lock:  # writer threads: one connect per receiver

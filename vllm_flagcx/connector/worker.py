@@ -151,10 +151,15 @@ class WorkerHalf(SideChannelServer, Puller):
         self._zmq = None
         self._read_kv = (integrity.reader(settings.host_memory)
                          if settings.verify_integrity else None)
+        # layer -> compat.kv_views.AttentionView: the logical integrity sample's reader
+        self.views: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- registration
     def register_regions(self, regions: list[Region], serve: bool,
-                         logical_num_blocks: int | None = None) -> None:
+                         logical_num_blocks: int | None = None,
+                         views: dict[str, Any] | None = None) -> None:
+        """``views``: each attention layer as vLLM indexes it (``compat.kv_views``); without
+        them the logical integrity sample is neither sent nor checked."""
         self.kernel_ratios = kernel_ratios(regions, len(self.settings.layout.block_sizes),
                                            logical_num_blocks)
         spans = storage_spans(regions)
@@ -162,6 +167,7 @@ class WorkerHalf(SideChannelServer, Puller):
             self.transport.register(address, size)
         self._storages = spans
         self.regions = list(regions)
+        self.views = dict(views or {})
         s = self.settings
         self.sheet = hs.make_sheet(layout=s.layout, engine_id=s.engine_id,
                                    incarnation=s.incarnation, tp_size=s.tp_size,

@@ -19,21 +19,39 @@ from vllm_flagcx.compat.kv_cache import SpecKind
 logger = logging.getLogger("vllm_flagcx")
 
 
-def kv_cache_regions(vllm_config: Any, kv_cache_config: Any, tp_size: int,
-                     kv_caches: dict[str, Any]) -> list[Any]:
-    """Regions of every registered cache tensor, each attention group's K/V taken from
-    the dimensions its backend declares (``compat.attention.layer_attention_dims``)."""
-    from vllm_flagcx.compat import kv_layout
-    from vllm_flagcx.compat import mamba as compat_mamba
+def attention_dims(vllm_config: Any, kv_cache_config: Any) -> dict[int, str | None]:
+    """Per attention group, the dimensions its backend declares
+    (``compat.attention.layer_attention_dims``)."""
     from vllm_flagcx.compat.attention import layer_attention_dims
 
+    return {i: layer_attention_dims(vllm_config, list(g.layer_names))
+            for i, g in compat_kv.attention_groups(kv_cache_config)}
+
+
+def kv_cache_regions(vllm_config: Any, kv_cache_config: Any, tp_size: int,
+                     kv_caches: dict[str, Any], dims: dict[int, str | None]) -> list[Any]:
+    """Regions of every registered cache tensor, each attention group's K/V taken from
+    the dimensions its backend declares (``dims``, from ``attention_dims``)."""
+    from vllm_flagcx.compat import kv_layout
+    from vllm_flagcx.compat import mamba as compat_mamba
+
     model = vllm_config.model_config
-    attention_dims = {i: layer_attention_dims(vllm_config, list(g.layer_names))
-                      for i, g in compat_kv.attention_groups(kv_cache_config)}
     return kv_layout.regions_for_kv_caches(
         kv_caches, kv_cache_config, tp_size, model.get_total_num_kv_heads(),
         compat_mamba.conv_state_layout(),
-        compat_config.gdn_conv_split(model.hf_config, tp_size), attention_dims)
+        compat_config.gdn_conv_split(model.hf_config, tp_size), dims)
+
+
+def kv_cache_views(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, Any],
+                   dims: dict[int, str | None], regions: list[Any]) -> dict[str, Any]:
+    """Each attention layer as vLLM indexes it, for the logical integrity sample."""
+    from vllm_flagcx.compat.kv_views import attention_views
+    from vllm_flagcx.connector.worker import kernel_ratios
+
+    ratios = kernel_ratios(regions, len(kv_cache_config.kv_cache_groups),
+                           kv_cache_config.num_blocks)
+    return attention_views(kv_caches, kv_cache_config,
+                           vllm_config.model_config.get_total_num_kv_heads(), dims, ratios)
 
 
 def attention_cache_format(vllm_config: Any, kv_cache_config: Any, groups: list[Any]) -> str:

@@ -117,6 +117,8 @@ class PullReply(msgspec.Struct, frozen=True, tag="pulled"):
     num_descriptors: int = 0
     sample: tuple[tuple[int, int], ...] = ()  # receiver ranges of the integrity sample
     sample_crc: int = 0
+    # (layer, receiver block, token, global KV head, crc) of the logical sample
+    logical: tuple[tuple[str, int, int, int, int], ...] = ()
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):

@@ -1,0 +1,87 @@
+"""Each attention layer's KV cache as vLLM indexes it: ``(blocks, tokens, heads, channels)``
+views for the logical integrity check (``layout.logical``).
+
+Why apart from ``kv_layout``: that module turns strides into byte regions, the arithmetic
+a wrong answer hides in. These views use only the dimension NAMES each build declares (the
+backend's ``get_kv_cache_shape`` letters for 5-d caches, 0.34's ``[B, H, N, C]``, MLA's
+``(B, N, D)``) and let the tensor's own indexing find the bytes, so a region or plan
+mistake shows up as a mismatch instead of being checked against itself.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
+from vllm_flagcx.compat.kv_layout import kv_dimension
+from vllm_flagcx.layout.logical import LayerFacts
+
+
+@dataclass(frozen=True)
+class AttentionView:
+    """One layer: ``parts`` are ``(kernel blocks, tokens, local heads, channels)`` views
+    (K and V, or one packed K||V / latent view) of the very tensor vLLM registered."""
+
+    parts: tuple[Any, ...]
+    facts: LayerFacts
+    ratio: int  # kernel blocks per logical block
+
+    @property
+    def kernel_block_size(self) -> int:
+        return int(self.parts[0].shape[1])
+
+    def crcs(self, kernel_blocks: Sequence[int], slots: Sequence[int],
+             local_heads: Sequence[int]) -> list[int]:
+        """crc32 of each (kernel block, slot, local head) element vector, K then V."""
+        import torch
+
+        device = self.parts[0].device
+        index = [torch.as_tensor(list(v), dtype=torch.long, device=device)
+                 for v in (kernel_blocks, slots, local_heads)]
+        rows = torch.cat([p[index[0], index[1], index[2]].reshape(len(slots), -1)
+                          for p in self.parts], dim=1)
+        raw = rows.contiguous().cpu().view(torch.uint8).numpy()
+        return [zlib.crc32(row.tobytes()) for row in raw]
+
+
+def _five_d_parts(cache: Any, dims: str | None) -> tuple[Any, ...]:
+    if dims is None:  # the shape families, as kv_layout reads them
+        dims = "2BNHD" if kv_dimension(tuple(int(n) for n in cache.shape), "") == 0 \
+            else "B2NHD"
+    ordered = cache.permute(*[dims.index(c) for c in "2BNHD"])
+    return ordered[0], ordered[1]
+
+
+def layer_parts(cache: Any, kind: SpecKind, dims: str | None) -> tuple[Any, ...]:
+    """The ``(B, N, H, C)`` views of one attention layer's cache tensor."""
+    if kind is SpecKind.MLA:
+        return (cache.unsqueeze(2),)
+    if cache.dim() == 5:
+        return _five_d_parts(cache, dims)
+    if cache.dim() == 4:  # 0.34: logical [B, H, N, C] whatever the memory order
+        return (cache.permute(0, 2, 1, 3),)
+    raise ValueError(f"attention cache of shape {tuple(cache.shape)} has no known logical "
+                     "dimensions")
+
+
+def attention_views(kv_caches: dict[str, Any], kv_cache_config: Any,
+                    total_kv_heads: int, attention_dims: dict[int, str | None] | None,
+                    kernel_ratios: Sequence[int]) -> dict[str, AttentionView]:
+    """A view per attention (and MLA) layer; Mamba layers have none (their state is
+    checked by the byte sample)."""
+    views: dict[str, AttentionView] = {}
+    for group_index, group in enumerate(kv_cache_config.kv_cache_groups):
+        kind = spec_kind(group.kv_cache_spec)
+        if kind is SpecKind.MAMBA:
+            continue
+        dims = (attention_dims or {}).get(group_index)
+        for name in group.layer_names:
+            parts = layer_parts(kv_caches[name], kind, dims)
+            ratio = int(kernel_ratios[group_index])
+            facts = LayerFacts(group_index, int(parts[0].shape[1]) * ratio,
+                               1 if kind is SpecKind.MLA else int(total_kv_heads))
+            views[name] = AttentionView(tuple(parts), facts, ratio)
+    return views
