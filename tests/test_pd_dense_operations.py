@@ -1,6 +1,7 @@
 """The dense PD path in operation (one KV cache group, every build, 0.13 included): a failed
 load through vLLM's own block-level policy, stats, heartbeats that keep prefill's lease,
-cached prefill sheets, the integrity check, reconnects after a transport error."""
+cached prefill sheets, the integrity check, reconnects after a transport error, blocks of
+a request that finished during its pull."""
 
 from __future__ import annotations
 
@@ -23,6 +24,49 @@ def test_dense_load_failure_goes_through_vllm_policy():
         assert sum(w.ledger.counts["recv"] for w in d.workers) == 2
         pd.assert_idle(p)
         pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("end", ["abort", "load_failure_policy_fail"])
+def test_a_request_finished_during_its_pull_gets_its_blocks_back_once_no_write_can_land(end):
+    """Kept while prefill's (slow) write may land, then freed: by vLLM when
+    ``finished_recving`` names the finished request (0.20+), by the connector on 0.13,
+    whose scheduler only records the id (before: every abort during a pull, and every
+    load failed under ``kv_load_failure_policy=fail``, leaked its blocks there)."""
+    from vllm_flagcx.compat.capabilities import capabilities
+
+    if end != "abort" and capabilities().kv_load_failure_policy_default == "absent":
+        pytest.skip("this vLLM has no kv_load_failure_policy")
+    port = pd.free_port()
+    faults = (pd.Faults(delay_seconds=1.0) if end == "abort"
+              else pd.Faults(fail_write_from=0))
+    p = pd.build_instance("kv_producer", 1, port, model="dense", faults=faults)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense",
+                          failure_policy=None if end == "abort" else "fail")
+    try:
+        rec = next(iter(pd.run_prefill(p, prompts=[40]).values()))
+        req = harness.make_request(rec["tokens"], max_tokens=3,
+                                   kv_transfer_params=dict(rec["params"]))
+        d.scheduler.add_request(req)
+        if end == "abort":
+            deadline = time.monotonic() + 10
+            while req.request_id not in d.recv_tasks and time.monotonic() < deadline:
+                p.step()
+                d.step()
+            time.sleep(0.2)  # the pull reached P, whose (slow) write is under way
+            d.scheduler.finish_requests(req.request_id, pd.aborted())
+            d.step()
+            assert harness.blocks_in_use(d.scheduler) > 0  # held: a write may still land
+            pd.settle(p, d, timeout=10)
+        else:
+            pd.settle(p, d, timeout=10)
+            assert pd.finished_ids(d)[req.request_id] == "error"
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+        pd.run_pd(p, d, prompts=[20])  # the next transfer: no stale id stays behind
+        assert req.request_id not in d.scheduler.finished_recving_kv_req_ids
     finally:
         p.shutdown()
         d.shutdown()

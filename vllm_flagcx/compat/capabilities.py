@@ -115,6 +115,10 @@ class Capabilities:
                     _label("dp_index_field"))
 
     @cached_property
+    def finished_load_blocks(self) -> Literal["freed", "absent"]:
+        return cast("Literal['freed', 'absent']", _label("finished_load_blocks"))
+
+    @cached_property
     def kv_load_failure_policy_default(self) -> str:
         """The field's default ("recompute" / "fail"), or "absent" where the field is."""
         return _label("kv_load_failure_policy_default")

@@ -235,6 +235,21 @@ def _failed_load_blocks() -> str:
     return ABSENT
 
 
+def _finished_load_blocks() -> str:
+    """Does ``_update_from_kv_xfer_finished`` free the blocks of a request that FINISHED
+    (aborted, or failed by ``kv_load_failure_policy=fail``) while its load was in flight,
+    when ``finished_recving`` names it? 0.20+ do; 0.13 only records the id, and blocks
+    a connector kept (``request_finished`` -> True) would never come back."""
+    source = _scheduler_source("_update_from_kv_xfer_finished") or ""
+    loop = "in kv_connector_output.finished_recving"
+    if loop not in source:
+        return ABSENT
+    recving = source.split(loop, 1)[1].split("finished_sending", 1)[0]
+    if "is_finished" in recving and "_free_blocks(" in recving:
+        return "freed"
+    return ABSENT
+
+
 def _mamba_align_external_tokens() -> str:
     """0.22's ``_mamba_block_aligned_split`` asserts that no external tokens arrive in
     mamba_cache_mode='align' ("External KV connector is not verified yet"); 0.34 dropped it."""
@@ -309,6 +324,9 @@ FEATURES: tuple[FeatureProbe, ...] = (
     FeatureProbe("failed_load_blocks", "blocks", _failed_load_blocks, False,
                  "a scheduler that frees the blocks of a request in failed_recving_kv_req_ids"
                  " (the recompute path of hybrid requests before 0.34)"),
+    FeatureProbe("finished_load_blocks", "blocks", _finished_load_blocks, False,
+                 "a scheduler that frees a finished request's blocks when finished_recving"
+                 " names it (else the connector frees them: compat.recovery)"),
     FeatureProbe("mamba_align_external_tokens", "mamba", _mamba_align_external_tokens, False,
                  "Scheduler._mamba_block_aligned_split accepting external (remote) tokens"
                  " (prefix caching on a hybrid decode)"),

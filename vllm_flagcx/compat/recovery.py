@@ -22,6 +22,13 @@ How, per build:
   ``update_connector_output``, which vLLM calls before it reads ``finished_recving``.
 - absent: neither; the connector refuses a decode role where a recompute over allocated
   blocks would be wrong (sliding-window groups).
+
+A second gap, 0.13 only: a decode request that FINISHES while its load is in flight
+(aborted, or failed by ``kv_load_failure_policy=fail``) keeps its blocks until no write can
+land (the connector's ``request_finished`` answers True); 0.20+ free them when
+``finished_recving`` names the request, 0.13 only records the id, so the blocks never came
+back (measured: every such request leaked its blocks). ``free_finished_load`` does what
+0.20+ do, through the same scheduler reference.
 """
 
 from __future__ import annotations
@@ -98,3 +105,36 @@ class LoadFailureRecovery:
         request.num_computed_tokens = 0
         failed.add(request.request_id)
         return True
+
+    def free_finished(self, request_id: str) -> bool:
+        """``free_finished_load`` on the scheduler that built the connector."""
+        scheduler = self._scheduler() if self._scheduler is not None else None
+        return free_finished_load(scheduler, request_id)
+
+    def forget(self, request_ids: set[str]) -> None:
+        scheduler = self._scheduler() if self._scheduler is not None else None
+        if scheduler is not None and request_ids:
+            forget_stale_loads(scheduler, request_ids)
+
+
+def free_finished_load(scheduler: Any, request_id: str) -> bool:
+    """Free the blocks of ``request_id``, finished while its load was in flight, where the
+    build does not (``capabilities().finished_load_blocks`` absent): vLLM's own
+    ``_free_blocks``, as 0.20+ call it for ``finished_recving``. True when freed here."""
+    if scheduler is None or capabilities().finished_load_blocks == "freed":
+        return False
+    request = getattr(scheduler, "requests", {}).get(request_id)
+    if request is None or not request.is_finished():
+        return False
+    scheduler._free_blocks(request)
+    # 0.13 then records the id in finished_recving_kv_req_ids, which nothing reads for a
+    # freed request: dropped on the next call (``forget_stale_loads``).
+    return True
+
+
+def forget_stale_loads(scheduler: Any, request_ids: set[str]) -> None:
+    """Drop ids of requests freed by ``free_finished_load`` from the scheduler's
+    ``finished_recving_kv_req_ids`` (0.13 adds them after the connector ran)."""
+    recorded = getattr(scheduler, "finished_recving_kv_req_ids", None)
+    if recorded is not None:
+        recorded -= request_ids

@@ -131,6 +131,9 @@ class SchedulerHalf:
         self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
         self._local_hit: dict[str, int] = {}  # request_id -> tokens D had locally
         self._recv_requests: dict[str, Any] = {}  # request_id -> Request while loading
+        # finished while their pull was in flight: blocks kept until finished_recving
+        self._kept_for_load: set[str] = set()
+        self._freed_here: set[str] = set()  # of those, freed by us (0.13) last step
         self.recomputed_after_failure = 0
         self.rejected_params = 0
         self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3,
@@ -236,7 +239,9 @@ class SchedulerHalf:
                 return False, None  # no worker was told to pull: nothing can be in flight
             # A pull may be writing into these blocks right now: keep them. Every dispatched
             # pull ends (done, failed or timed out) in finished_recving, which is where
-            # vLLM frees the blocks of a request that already finished.
+            # vLLM frees the blocks of a request that already finished (0.13: we do,
+            # compat.recovery.free_finished_load).
+            self._kept_for_load.add(request.request_id)
             return True, None
         if not wire_params.wants_remote_decode(params) or not self._finished_by_length(request):
             return False, None
@@ -291,9 +296,15 @@ class SchedulerHalf:
                 continue  # reported through KVConnectorOutput.failed_recving: vLLM's own
             if not self.recovery.recompute(request) and not self.has_sliding:
                 request.num_computed_tokens = 0
+        self.recovery.forget(self._freed_here)
+        self._freed_here = set()
         for req_id in finished_recving or ():
             self._waiting_recv.pop(req_id, None)
             self._recv_requests.pop(req_id, None)
+            if req_id in self._kept_for_load:
+                self._kept_for_load.discard(req_id)
+                if self.recovery.free_finished(req_id):
+                    self._freed_here.add(req_id)
         for req_id in finished_sending or ():
             task = self._armed.pop(req_id, None)
             if task is not None:

@@ -1,0 +1,97 @@
+"""B2d: what the integrity checks of one pull cost on host memory, against copying the
+request's KV bytes once, timed in the same run.
+
+The caches are Qwen3.6-35B-A3B's attention at TP 1 (10 full-attention layers, 2 KV heads of
+256, bfloat16, 16-token blocks, CPU_ATTN's ``(2, B, H, N, D)`` tensors), the request 1,024
+or 8,192 tokens. Timed per pull:
+
+* byte sample: the crc32 of 16 descriptor tails of 64 bytes (what prefill computes, and
+  decode again over its copy);
+* logical sample, prefill: choosing the keys and reading each (layer, block, token, head)
+  element through the tensor's indexing, one crc per key (``integrity.logical_sample``);
+* logical check, decode: refusing bad keys, the same reads, the comparison
+  (``integrity.logical_mismatch``): on the pull's critical path;
+* the baseline: copying the request's blocks of every layer (``index_copy_``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from benchmarks import report
+from vllm_flagcx.compat import kv_views
+from vllm_flagcx.connector import integrity
+from vllm_flagcx.layout.logical import LayerFacts
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 10, 2, 256, 16
+TOKENS = (1024, 8192)
+
+
+def _caches(num_blocks: int) -> dict[str, torch.Tensor]:
+    return {f"layers.{4 * i + 3}.attn": torch.randn(2, num_blocks, HEADS, BLOCK, HEAD_DIM)
+            .to(torch.bfloat16) for i in range(LAYERS)}
+
+
+def _views(caches: dict[str, torch.Tensor]) -> dict[str, kv_views.AttentionView]:
+    return {name: kv_views.AttentionView(kv_views.layer_parts(t, kv_views.SpecKind.FULL_ATTENTION,
+                                                              "2BHND"),
+                                         LayerFacts(0, BLOCK, HEADS), 1)
+            for name, t in caches.items()}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    reps = 30 if quick else 300
+    rows, out = [], []
+    for tokens in TOKENS:
+        blocks = tokens // BLOCK
+        p, d = _caches(blocks * 2), _caches(blocks * 2)
+        p_ids, d_ids = list(range(0, blocks)), list(range(blocks, 2 * blocks))
+        p_views, d_views = _views(p), _views(d)
+        index = torch.as_tensor(d_ids)
+        source = torch.as_tensor(p_ids)
+
+        def copy() -> None:
+            for name, t in d.items():
+                t.index_copy_(1, index, p[name].index_select(1, source))
+
+        copy()
+        tails = [(t.data_ptr() + k * 4096 + 4032, 64) for t in p.values()
+                 for k in range(2)][:16]
+        entries = integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0, 1)
+        assert integrity.logical_mismatch(d_views, list(entries), [d_ids], 0, 1) is None
+        timings = {
+            "copy": report.summary(report.time_us(copy, max(5, reps // 10))),
+            "byte": report.summary(report.time_us(lambda r=tails: integrity.checksum(r), reps)),
+            "prefill": report.summary(report.time_us(
+                lambda: integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0,
+                                                 1), reps)),
+            "decode": report.summary(report.time_us(
+                lambda e=list(entries): integrity.logical_mismatch(d_views, e, [d_ids], 0, 1),
+                reps)),
+        }
+        kv_bytes = sum(t[:, :blocks].numel() * 2 for t in p.values())
+        ratio = timings["decode"]["median"] / timings["copy"]["median"]
+        out.append({"tokens": tokens, "kv_bytes": kv_bytes, "keys": len(entries),
+                    **{f"{k}_us": v for k, v in timings.items()}, "decode_vs_copy": ratio})
+        rows.append((tokens, f"{kv_bytes / 1e6:.1f}", len(entries),
+                     timings["copy"]["median"], timings["byte"]["median"],
+                     timings["prefill"]["median"], timings["decode"]["median"], ratio))
+    text = report.table(
+        f"B2d integrity checks of one pull vs copying its KV once (host memory, Qwen3.6 "
+        f"attention at TP 1), {reps} reps, medians in us",
+        ("tokens", "KV MB", "logical keys", "copy", "byte sample", "logical prefill",
+         "logical decode", "decode / copy"), rows)
+    return {"name": "b2d_integrity", "text": text, "rows": out}
+
+
+def chart(result: dict[str, Any], out_dir: Any) -> None:
+    rows = result["rows"]
+    report.bar_chart(out_dir, "b2d_integrity", "B2d integrity checks vs one copy",
+                     [f"{r['tokens']:,} tokens" for r in rows],
+                     {name: [r[f"{key}_us"]["median"] for r in rows]
+                      for name, key in (("copy", "copy"), ("byte sample", "byte"),
+                                        ("logical prefill", "prefill"),
+                                        ("logical decode", "decode"))},
+                     "microseconds", log=True)
