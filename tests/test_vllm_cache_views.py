@@ -107,6 +107,28 @@ def _move(p_caches, d_caches, p_tp, d_tp, layout, p_blocks, d_blocks):
 @pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS)
 def test_every_element_of_vllms_own_views_arrives_or_the_layout_is_refused(layout, p_tp,
                                                                           d_tp):
+    _check_pair(layout, p_tp, d_tp)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS)
+def test_a_flex_attention_pair_moves_whole_blocks_or_is_refused_by_name(p_tp, d_tp):
+    """FLEX_ATTENTION supports only LBNHC, so vLLM's own resolver overrides the HND the
+    connector asks for (with a warning only): the pair must then move every element at
+    equal TP and be refused naming NHD otherwise (it moved one token per block before)."""
+    from testkit import vllm_harness as harness
+
+    utils = importlib.import_module("vllm.v1.attention.backends.utils")
+    flex = importlib.import_module(
+        "vllm.v1.attention.backends.flex_attention").FlexAttentionBackend
+    config = harness.make_vllm_config(kv_role="kv_both")
+    assert utils.get_kv_connector_cache_layout(config) == "HND"  # what FlagCXConnector asks
+    layout = utils.resolve_kv_cache_layout(
+        config, [[m.name for m in flex.supported_kv_cache_layouts()]])
+    assert layout.name == "LBNHC"  # not the connector's HND: vLLM chose for the backend
+    _check_pair(layout, p_tp, d_tp)
+
+
+def _check_pair(layout, p_tp: int, d_tp: int) -> None:
     p_blocks, d_blocks = [4, 1, 3], [2, 5, 0]
     p_caches = _rank_caches(p_tp, layout, "encoded")
     d_caches = _rank_caches(d_tp, layout, "sentinel")
