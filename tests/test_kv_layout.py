@@ -121,3 +121,35 @@ def test_every_importable_backend_contract_is_read_or_skipped_by_name():
     for physical, perm in layouts.values():
         logical = "".join(physical[i] for i in perm)
         assert logical in ATTENTION_DIMS and sorted(physical) == sorted("2BNHD")
+
+
+def test_one_run_reads_the_order_from_the_strides():
+    t = torch.zeros(2, 3, 4, 5)
+    assert kv_layout.one_run(t) and kv_layout.one_run(t.permute(3, 1, 0, 2))
+    assert kv_layout.one_run(t[:1]) and kv_layout.one_run(t[:1].transpose(0, 3))
+    assert not kv_layout.one_run(t[:, :1])  # every other 20 elements: gaps
+    assert not kv_layout.one_run(t[..., :4])  # a padded last dimension: gaps
+
+
+def test_a_padded_head_dimension_is_refused_not_counted():
+    """A head size padded in memory (a layout no build declares today): every per-head
+    byte count would be off by the padding, so registration refuses, naming it."""
+    dense = pd.dense_rank_kv_cache_config(1, 8)
+    caches = pd.allocate(dense, "SD", seed=0)
+    padded = {}
+    for name, cache in caches.caches.items():
+        wide = torch.zeros(*cache.shape[:-1], cache.shape[-1] + 8, dtype=cache.dtype)
+        padded[name] = wide[..., :cache.shape[-1]]
+    with pytest.raises(RegionError, match=r"one block of K .*not one contiguous run"):
+        kv_layout.regions_for_kv_caches(padded, dense, 1, 2, "SD", attention_dims={0: "2BNHD"})
+
+
+def test_a_mamba_page_whose_ssm_does_not_follow_its_conv_is_refused():
+    config = pd.rank_kv_cache_config(1, 8, conv_layout="SD")
+    caches = pd.allocate(config, "SD", seed=0)
+    group = config.kv_cache_groups[1]
+    name, spec = group.layer_names[0], group.kv_cache_spec
+    conv, ssm = caches.caches[name]
+    elsewhere = torch.empty_like(ssm)  # the same shape, another allocation
+    with pytest.raises(RegionError, match="ssm state starts"):
+        kv_layout.mamba_regions(name, [conv, elsewhere], spec, 1, 1, "SD", None)

@@ -29,6 +29,31 @@ def _nbytes_stride(tensor: Any, dim: int) -> int:
     return int(tensor.stride(dim)) * int(tensor.element_size())
 
 
+def one_run(tensor: Any) -> bool:
+    """Do ``tensor``'s elements form one gap-free run of memory, in SOME dimension order?
+
+    Every byte count below (a head, a block, a state) is a product of sizes that is only
+    right when the part it describes has no gaps; vLLM's layouts permute dimensions
+    freely, so the order is read from the strides (size-1 dimensions say nothing)."""
+    dims = sorted((int(tensor.stride(i)), int(tensor.shape[i])) for i in range(tensor.dim())
+                  if int(tensor.shape[i]) > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _require_run(part: Any, name: str, what: str) -> None:
+    if not one_run(part):
+        raise R.RegionError(
+            f"{name}: {what} of shape {tuple(int(n) for n in part.shape)} and strides "
+            f"{tuple(int(x) for x in part.stride())} is not one contiguous run, so its bytes "
+            "cannot be counted per head or per block; this layout is not supported (start "
+            "the engine with its default KV cache layout)")
+
+
 def kv_dimension(shape: tuple[int, ...], name: str) -> int:
     """Which of a 5-d attention cache's first two dimensions splits K from V.
 
@@ -72,6 +97,7 @@ def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int
         if int(k.shape[heads_dim]) != heads:
             raise R.RegionError(f"{name}: dimension {heads_dim} of K has {k.shape[heads_dim]}"
                                 f" entries, the spec {heads} KV heads (dims {dims})")
+        _require_run(k[0], name, "one block of K")
         hnd = k.stride(heads_dim) > k.stride(tokens_dim)
         head_bytes = (_nbytes_stride(k, heads_dim) if hnd
                       else int(k[0].numel() * k.element_size()) // heads)
@@ -135,6 +161,7 @@ def packed_kv_regions(name: str, cache: Any, group: int, kind: str, total_kv_hea
 
 
 def mla_regions(name: str, cache: Any, spec: Any, group: int) -> list[R.Region]:
+    _require_run(cache[0], name, "one block of the latent cache")
     return R.mla(layer=name, group=group, base=cache.data_ptr(),
                  block_stride=_nbytes_stride(cache, 0), num_blocks=int(cache.shape[0]),
                  page_bytes=int(spec.page_size_bytes))
@@ -168,6 +195,16 @@ def mamba_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
             state_len, channels = int(conv.shape[1]), int(conv.shape[2])
         elem, ssm_heads = int(conv.element_size()), int(ssm.shape[1])
         ssm_head_bytes = int(ssm[0, 0].numel() * ssm.element_size())
+        _require_run(conv[0], name, "one block's conv state")
+        _require_run(ssm[0], name, "one block's ssm state")
+        conv_bytes = int(conv[0].numel()) * elem
+        if (ssm.data_ptr() - conv.data_ptr() != conv_bytes
+                or _nbytes_stride(ssm, 0) != _nbytes_stride(conv, 0)):
+            raise R.RegionError(
+                f"{name}: the ssm state starts {ssm.data_ptr() - conv.data_ptr()} bytes "
+                f"after the conv state (expected {conv_bytes}: right after it in one page) "
+                f"or pages differ ({_nbytes_stride(ssm, 0)} vs {_nbytes_stride(conv, 0)} "
+                "bytes); this Mamba page layout is not supported")
         base, block_stride, num_blocks = conv.data_ptr(), _nbytes_stride(conv, 0), conv.shape[0]
     elif hasattr(cache, "data_ptr"):
         channels, state_len, elem, ssm_heads, ssm_head_bytes = _mamba_state_facts(
