@@ -41,43 +41,43 @@ def _views(caches: dict[str, torch.Tensor]) -> dict[str, kv_views.AttentionView]
             for name, t in caches.items()}
 
 
+def _measure(tokens: int, reps: int) -> dict[str, Any]:
+    blocks = tokens // BLOCK
+    p, d = _caches(blocks * 2), _caches(blocks * 2)
+    p_ids, d_ids = list(range(0, blocks)), list(range(blocks, 2 * blocks))
+    p_views, d_views = _views(p), _views(d)
+    index, source = torch.as_tensor(d_ids), torch.as_tensor(p_ids)
+
+    def copy() -> None:
+        for name, t in d.items():
+            t.index_copy_(1, index, p[name].index_select(1, source))
+
+    def prefill() -> tuple[integrity.LogicalEntry, ...]:
+        return integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0, 1)
+
+    copy()
+    entries = list(prefill())
+    assert integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1) is None
+    tails = [(t.data_ptr() + k * 4096 + 4032, 64) for t in p.values() for k in range(2)][:16]
+    timings = {
+        "copy": report.summary(report.time_us(copy, max(5, reps // 10))),
+        "byte": report.summary(report.time_us(lambda: integrity.checksum(tails), reps)),
+        "prefill": report.summary(report.time_us(prefill, reps)),
+        "decode": report.summary(report.time_us(
+            lambda: integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1), reps)),
+    }
+    kv_bytes = sum(t[:, :blocks].numel() * 2 for t in p.values())
+    return {"tokens": tokens, "kv_bytes": kv_bytes, "keys": len(entries),
+            **{f"{k}_us": v for k, v in timings.items()},
+            "decode_vs_copy": timings["decode"]["median"] / timings["copy"]["median"]}
+
+
 def run(quick: bool) -> dict[str, Any]:
     reps = 30 if quick else 300
-    rows, out = [], []
-    for tokens in TOKENS:
-        blocks = tokens // BLOCK
-        p, d = _caches(blocks * 2), _caches(blocks * 2)
-        p_ids, d_ids = list(range(0, blocks)), list(range(blocks, 2 * blocks))
-        p_views, d_views = _views(p), _views(d)
-        index = torch.as_tensor(d_ids)
-        source = torch.as_tensor(p_ids)
-
-        def copy() -> None:
-            for name, t in d.items():
-                t.index_copy_(1, index, p[name].index_select(1, source))
-
-        copy()
-        tails = [(t.data_ptr() + k * 4096 + 4032, 64) for t in p.values()
-                 for k in range(2)][:16]
-        entries = integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0, 1)
-        assert integrity.logical_mismatch(d_views, list(entries), [d_ids], 0, 1) is None
-        timings = {
-            "copy": report.summary(report.time_us(copy, max(5, reps // 10))),
-            "byte": report.summary(report.time_us(lambda r=tails: integrity.checksum(r), reps)),
-            "prefill": report.summary(report.time_us(
-                lambda: integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0,
-                                                 1), reps)),
-            "decode": report.summary(report.time_us(
-                lambda e=list(entries): integrity.logical_mismatch(d_views, e, [d_ids], 0, 1),
-                reps)),
-        }
-        kv_bytes = sum(t[:, :blocks].numel() * 2 for t in p.values())
-        ratio = timings["decode"]["median"] / timings["copy"]["median"]
-        out.append({"tokens": tokens, "kv_bytes": kv_bytes, "keys": len(entries),
-                    **{f"{k}_us": v for k, v in timings.items()}, "decode_vs_copy": ratio})
-        rows.append((tokens, f"{kv_bytes / 1e6:.1f}", len(entries),
-                     timings["copy"]["median"], timings["byte"]["median"],
-                     timings["prefill"]["median"], timings["decode"]["median"], ratio))
+    out = [_measure(tokens, reps) for tokens in TOKENS]
+    rows = [(r["tokens"], f"{r['kv_bytes'] / 1e6:.1f}", r["keys"], r["copy_us"]["median"],
+             r["byte_us"]["median"], r["prefill_us"]["median"], r["decode_us"]["median"],
+             r["decode_vs_copy"]) for r in out]
     text = report.table(
         f"B2d integrity checks of one pull vs copying its KV once (host memory, Qwen3.6 "
         f"attention at TP 1), {reps} reps, medians in us",
