@@ -104,3 +104,36 @@ def test_a_pull_for_a_released_transfer_is_answered_at_once():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_no_write_lands_after_decode_gave_its_blocks_back():
+    """Writes that hang longer than decode's pull timeout plus prefill's lease, and more of
+    them than prefill has writers (4 under way, 2 queued): decode used to give up once the
+    Release went unacknowledged for a lease and hand the blocks back, and every write then
+    landed late in blocks vLLM had reused (measured: 4 of 4 reused blocks changed). Now
+    decode keeps the blocks until prefill confirms (``release_hold_seconds``), the queued
+    writes of released transfers never start, and every failure is reported only after the
+    last byte landed."""
+    port = pd.free_port()
+    hang = 2.5
+    p = pd.build_instance("kv_producer", 1, port, model="dense", lease_seconds=0.4,
+                          faults=Faults(delay_seconds=hang), num_blocks=64)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", recv_timeout=0.4,
+                          lease_seconds=0.4, num_blocks=64)
+    try:
+        records = pd.run_pd(p, d, prompts=[33, 34, 35, 36, 37, 38], max_tokens=1)
+        transport = p.workers[0].transport
+        assert transport.writes == transport.max_concurrent_writes  # queued: never started
+        written = sorted(transport.write_done_at)
+        failed = sorted(t for t, *_ in d.workers[0].ledger.recent)
+        assert len(failed) == len(records) and len(written) == transport.writes
+        # each written request failed after its own write: the k-th failure is no earlier
+        # than the k-th write (a pairing failure >= write exists iff this holds)
+        assert all(f >= w for f, w in zip(failed, written, strict=False)), (failed, written)
+        assert min(failed) > min(written)  # none went back before the first write landed
+        assert d.workers[0].stats["release_retries"] > 0  # held past one lease
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -177,7 +177,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    cache_format: str = "CPU_ATTN:isa=vec:layout=HND",
                    secret_file: str | None = None, engine_id: str | None = None,
                    attn_layout: str = "flash_hnd",
-                   failure_policy: str | None = None) -> Instance:
+                   failure_policy: str | None = None,
+                   release_hold_seconds: float = 600.0) -> Instance:
     """``secret_file``: the side-channel secret (wire.auth) for the scheduler (through
     the extra config) and the workers. ``failure_policy``: vLLM's
     ``kv_load_failure_policy`` where this build has it (None: the build's default)."""
@@ -258,6 +259,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                            recv_timeout=recv_timeout,
                                            handshake_timeout=2.0, peer_ttl=peer_ttl,
                                            verify_integrity=verify_integrity,
+                                           release_hold_seconds=release_hold_seconds,
                                            test_faults=test_faults, key=key),
                             MemmoveTransport(faults))
         ratios = [kernel_ratio] * len(caches.config.kv_cache_groups)

@@ -204,6 +204,8 @@ class FlagCXConnector(PortableConnectorBase):
             handshake_timeout=self.settings.handshake_timeout,
             recv_timeout=self.settings.pull_timeout,
             lease_seconds=self.settings.lease_seconds,
+            write_start_timeout=self.settings.write_start_timeout,
+            release_hold_seconds=self.settings.release_hold_seconds,
             skip_compat_hash=not self.settings.enforce_handshake_compat,
             verify_integrity=self.settings.verify_integrity,
             host_memory=host_memory,

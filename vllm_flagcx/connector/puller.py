@@ -179,10 +179,23 @@ class Puller:
         under way. The wait is bounded by the lease, and ends at once when prefill's port
         refuses connections (its worker, the writer, is gone: ``client.PeerGoneError``).
         """
+        hold_until = time.monotonic() + self.settings.release_hold_seconds
         confirmed = self._release(task.remote.transfer_id, task.remote,
                                   self.settings.lease_seconds)
+        while not confirmed and not self._stop.is_set():
+            # A write may still land: the blocks stay ours until prefill says none is in
+            # flight or its port refuses connections (``_release``), up to the hold.
+            left = hold_until - time.monotonic()
+            if left <= 0:
+                break
+            self.stats["release_retries"] += 1
+            confirmed = self._release(task.remote.transfer_id, task.remote,
+                                      min(self.settings.lease_seconds, left))
         if not confirmed:
-            error += "; prefill did not confirm that no write is in flight"
+            error += (f"; prefill did not confirm within release_hold_seconds="
+                      f"{self.settings.release_hold_seconds:g} that no write is in flight")
+            logger.error("FlagCX: %s: blocks of request %s go back to vLLM unconfirmed: %s",
+                         task.remote.transfer_id, task.request_id, error)
         self.ledger.record("recv", task.request_id, flat, error)
 
     def _release(self, transfer_id: str, remote: Any, timeout: float) -> bool:

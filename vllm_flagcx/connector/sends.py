@@ -10,7 +10,10 @@ pull is answered at once instead of waiting a lease for an id that will never co
 The safety invariant lives here: **a Release is acknowledged only when no write into the
 transfer's blocks is in flight** (``release`` defers it; the ``finish`` of the last write
 returns the deferred acknowledgements), because decode frees and reuses those blocks as
-soon as it has the acknowledgement. A lease never expires under a write either.
+soon as it has the acknowledgement. A lease never expires under a write either. A write
+claimed but still queued behind busy writers when the Release arrives does not start
+(``may_start``): it is finished unwritten, so the acknowledgement waits only for writes
+already under way.
 
 Thread-safe: the side-channel thread, writer threads and the worker's step call in.
 """
@@ -98,6 +101,12 @@ class Sends:
             if send is not None:
                 self._end_locked(transfer_id, "released by decode")
             return True
+
+    def may_start(self, send: Send) -> bool:
+        """A claimed write is about to start: False when decode released the transfer
+        since the claim (the write must not run: decode is about to reuse the blocks)."""
+        with self._lock:
+            return not send.release_waiters
 
     def claim(self, transfer_id: str, receiver: str) -> tuple[Claim, Send | str | None]:
         """May a pull by engine ``receiver`` write now? ``(WRITE, send)`` takes a write slot;

@@ -88,6 +88,8 @@ KEYS: dict[str, Callable[[str, Any], Any]] = {
     "lease_seconds": _seconds,
     "recv_timeout": _seconds,
     "handshake_timeout": _seconds,
+    "write_start_timeout": _seconds,
+    "release_hold_seconds": _seconds,
     "enforce_handshake_compat": _bool,
     "test_faults": _bool,
     "side_channel_secret_file": _text,
@@ -136,6 +138,11 @@ class ConnectorSettings:
     lease_seconds: float = 30.0
     recv_timeout: float | None = None  # None: lease_seconds + 10
     handshake_timeout: float = 10.0  # 5 s once ran out behind a CPU-starved prefill
+    # P: a write still queued this long after its pull was claimed is not started
+    write_start_timeout: float = 5.0
+    # D: a failed pull's blocks stay held (Release retried) until prefill confirms that no
+    # write into them is in flight, or its port refuses connections, at most this long
+    release_hold_seconds: float = 600.0
     enforce_handshake_compat: bool = True
     test_faults: bool = False
     side_channel_secret_file: str | None = None

@@ -170,7 +170,7 @@ class SideChannelServer:
             claim, what = self.sends.claim(pull.transfer_id, pull.sheet.engine_id)
             if claim is Claim.WRITE:
                 assert self._writer is not None and isinstance(what, Send)
-                self._writer.submit(self._write_job, ident, what, pull)
+                self._writer.submit(self._write_job, ident, what, pull, now)
             elif claim is Claim.REFUSED:
                 out.append((ident, hs.PullReply(pull.transfer_id, False, str(what))))
             elif claim is Claim.ENDED:
@@ -185,12 +185,27 @@ class SideChannelServer:
             self._parked = keep + self._parked
         return out
 
-    def _write_job(self, ident: bytes, send: Send, pull: hs.PullRequest) -> None:
+    def _write_job(self, ident: bytes, send: Send, pull: hs.PullRequest,
+                   claimed_at: float) -> None:
         """One claimed write, finished exactly once whatever happens (``Sends.finish``), and
-        only then answered: the Releases it held back are acknowledged after it."""
+        only then answered: the Releases it held back are acknowledged after it.
+
+        A write that waited behind busy writers does not start once decode released the
+        transfer, nor later than ``write_start_timeout`` after its claim: decode may have
+        given up on it by then, and a late write would land in blocks vLLM reused."""
         reply = hs.PullReply(pull.transfer_id, False, "write not run")
         try:
-            reply = self._write(send, pull)
+            waited = time.monotonic() - claimed_at
+            if not self.sends.may_start(send):
+                reply = hs.PullReply(pull.transfer_id, False, "released by decode before "
+                                     "this write started: not written")
+            elif waited > self.settings.write_start_timeout:
+                reply = hs.PullReply(pull.transfer_id, False, (
+                    f"this write waited {waited:.1f} s for a writer (more than "
+                    f"write_start_timeout={self.settings.write_start_timeout:g} s): not "
+                    "written"))
+            else:
+                reply = self._write(send, pull)
         except Exception as exc:  # the last guard: the claim is still finished below
             logger.warning("FlagCX write for %s: %s: %s", pull.transfer_id,
                            type(exc).__name__, exc)

@@ -63,6 +63,11 @@ class WorkerSettings:
     peer_ttl: float = 300.0  # re-handshake a cached prefill after this long (restarts)
     peer_probe_seconds: float = 1.0  # while waiting on prefill, check it still listens
     verify_integrity: bool = True  # checksum a sample of every transfer
+    # P: a claimed write not started this long after its claim is dropped (writers busy)
+    write_start_timeout: float = 5.0
+    # D: after a failed pull, how long to keep the blocks while prefill has not confirmed
+    # that no write into them is in flight (retrying the Release); then they go back
+    release_hold_seconds: float = 600.0
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
     test_faults: bool = False  # honour kv_transfer_params.flagcx_test_fault (tests only)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
