@@ -224,7 +224,14 @@ ROGUE_REPLIES = {
     # "ok" for another transfer: decode used to take it as this request's finished load
     "other_transfer": lambda pull: hs.PullReply(pull.transfer_id + "-other", True, "", 64,
                                                 1),
+    # "ok", bytes written, no integrity sample: decode used to count it as a finished load
+    "no_sample": lambda pull: hs.PullReply(pull.transfer_id, True, "", 64, 1),
+    # a sheet of another engine than the params name (checked before any pull)
+    "other_engine": None,
 }
+ROGUE_ERRORS = {"foreign_sample": "outside this worker's KV caches",
+                "other_transfer": "not this request's", "no_sample": "no integrity sample",
+                "other_engine": "that port serves another instance"}
 
 
 @pytest.mark.parametrize("reply", sorted(ROGUE_REPLIES))
@@ -248,8 +255,10 @@ def test_rogue_prefill_reply_fails_the_request_no_read(reply):
                 continue
             message = hs.decode(sock.recv())
             if isinstance(message, hs.HandshakeRequest):
-                answer: hs.Message = hs.HandshakeReply(msgspec.structs.replace(
-                    honest.workers[0].sheet))
+                sheet = honest.workers[0].sheet
+                if reply == "other_engine":
+                    sheet = msgspec.structs.replace(sheet, engine_id="someone-else")
+                answer: hs.Message = hs.HandshakeReply(sheet)
             elif isinstance(message, hs.PullRequest):
                 answer = ROGUE_REPLIES[reply](message)
             else:
@@ -261,13 +270,15 @@ def test_rogue_prefill_reply_fails_the_request_no_read(reply):
     try:
         params = {"do_remote_prefill": True, "transfer_id": "rogue-1",
                   "remote_host": "127.0.0.1", "remote_port": port, "remote_tp_size": 1,
-                  "remote_engine_id": "kv_producer",
+                  "remote_engine_id": honest.workers[0].sheet.engine_id,
                   "remote_block_sizes": list(honest.workers[0].sheet.layout.block_sizes)}
         req = harness.make_request(37, max_tokens=2, kv_transfer_params=params)
         d.scheduler.add_request(req)
         pd.settle(honest, d, timeout=30)
         assert req.request_id in pd.finished_ids(d)
-        assert d.workers[0].ledger.counts["recv"] == 1
+        assert sum(d.workers[0].ledger.counts.values()) == 1
+        [(*_, error)] = d.workers[0].ledger.recent
+        assert ROGUE_ERRORS[reply] in error, error
         assert not d.workers[0].stats.get("recv_bytes")
     finally:
         stop.set()

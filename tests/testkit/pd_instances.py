@@ -252,7 +252,9 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
             kernel_block_sizes=tuple(g.block_size // kernel_ratio for g in groups),
             page_bytes=model_page_bytes(regions, len(groups)), conv_layout=conv_layout,
             num_kv_heads=KV_HEADS, cache_format=cache_format)
-        worker = WorkerHalf(WorkerSettings(engine_id=engine_id or role, tp_rank=rank,
+        # the engine id the scheduler half puts in remote_engine_id (vLLM's KVTransferConfig)
+        worker_engine = engine_id or config.kv_transfer_config.engine_id
+        worker = WorkerHalf(WorkerSettings(engine_id=worker_engine, tp_rank=rank,
                                            tp_size=tp,
                                            layout=layout, side_channel_port=port,
                                            lease_seconds=lease_seconds,

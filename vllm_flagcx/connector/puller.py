@@ -92,6 +92,15 @@ class Puller:
             return
         try:
             p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            if p_sheet.engine_id != remote.remote_engine_id:  # a cached sheet may be old
+                self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
+                p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            if p_sheet.engine_id != remote.remote_engine_id:
+                raise hs.HandshakeError(
+                    f"prefill at {remote.remote_host}:{remote.remote_port} is engine "
+                    f"{p_sheet.engine_id!r}, the request's kv_transfer_params name "
+                    f"remote_engine_id={remote.remote_engine_id!r}: that port serves another "
+                    "instance (pass prefill's returned kv_transfer_params unchanged)")
             hs.check_compatible(self.sheet, p_sheet, skip_hash=self.settings.skip_compat_hash)
         except (hs.HandshakeError, TimeoutError, OSError) as exc:
             self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
@@ -123,7 +132,15 @@ class Puller:
                     f"P rank {p_rank} answered for transfer {reply.transfer_id!r}, not "
                     f"{remote.transfer_id!r}: the reply is not this request's"))
                 return
-            if reply.sample and self._integrity_checked():
+            checked = self._integrity_checked()
+            if checked and reply.num_descriptors and not reply.sample:
+                self.stats["integrity_failures"] += 1
+                self._fail_after_release(task, flat, (
+                    f"P rank {p_rank} wrote {reply.num_descriptors} descriptors and sent no "
+                    "integrity sample: the load is unproven (is verify_integrity false on "
+                    "prefill? set it the same on both instances)"))
+                return
+            if reply.sample and checked:
                 stray = integrity.outside(list(reply.sample), self._storages)
                 if stray is not None:
                     self._fail_after_release(task, flat, (
