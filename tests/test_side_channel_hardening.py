@@ -12,8 +12,8 @@ import zmq
 from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.connector import side_channel_server
 from vllm_flagcx.connector import worker as wk
+from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 
@@ -83,28 +83,96 @@ def test_forged_pull_fields_are_refused_and_the_server_keeps_serving():
         d.shutdown()
 
 
-def test_pulls_for_unknown_ids_are_capped(monkeypatch):
-    monkeypatch.setattr(side_channel_server, "MAX_PARKED_PULLS", 2)
+def _park_bare_pulls(port: int, sheet, ids) -> list:
+    """REQ sockets whose pulls for never-armed transfer ids wait on prefill."""
+    context = zmq.Context.instance()
+    groups = len(sheet.layout.block_sizes)
+    waiting = []
+    for tid in ids:
+        sock = context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(hs.encode(hs.PullRequest(tid, sheet, ((1,),) * groups)))
+        waiting.append(sock)
+    time.sleep(0.3)
+    return waiting
+
+
+def test_pulls_for_unknown_ids_are_capped_and_never_block_an_armed_transfer():
+    """Strangers fill the parking (cap 2 here); the third stranger is refused naming the
+    cap, and the real decode's pull for an armed transfer still loads: the server claims
+    before it parks (before, the cap was checked first and the real pull failed)."""
     port = pd.free_port()
-    p = pd.build_instance("kv_producer", 1, port, lease_seconds=30.0)
+    p = pd.build_instance("kv_producer", 1, port, lease_seconds=30.0, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    p.workers[0]._parked = ParkedPulls(max_pulls=2)
     try:
         good = p.workers[0].sheet
-        groups = len(good.layout.block_sizes)
-        context = zmq.Context.instance()
-        waiting = []
-        for i in range(2):  # parked: no transfer armed with these ids yet
-            sock = context.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            sock.send(hs.encode(hs.PullRequest(f"unknown-{i}", good, ((1,),) * groups)))
-            waiting.append(sock)
-        time.sleep(0.3)
-        third = _ask(port, hs.PullRequest("unknown-3", good, ((1,),) * groups))
+        waiting = _park_bare_pulls(port, good, ["unknown-0", "unknown-1"])
+        third = _ask(port, hs.PullRequest("unknown-3", good,
+                                          ((1,),) * len(good.layout.block_sizes)))
         assert not third.ok and "pulls wait here" in third.error
+        records = pd.run_pd(p, d, prompts=[40])
+        assert next(iter(records.values()))["d_req"] in pd.finished_ids(d)
+        assert sum(d.workers[0].ledger.counts.values()) == 0
+        assert d.workers[0].stats["recv_bytes"] > 0
         for sock in waiting:
             sock.close()
     finally:
         p.shutdown()
+        d.shutdown()
+
+
+def test_a_replayed_pull_takes_one_parking_slot():
+    """One captured pull sent 20 times (cap 4): each replaces the one parked before it, so
+    the parking never fills and a different pull still parks."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, lease_seconds=30.0, model="dense")
+    p.workers[0]._parked = ParkedPulls(max_pulls=4)
+    try:
+        good = p.workers[0].sheet
+        waiting = _park_bare_pulls(port, good, ["replayed"] * 20)
+        assert len(p.workers[0]._parked) == 1
+        waiting += _park_bare_pulls(port, good, ["another"])
+        assert len(p.workers[0]._parked) == 2
+        assert p.workers[0].stats["pulls_refused_parking_full"] == 0
+        for sock in waiting:
+            sock.close()
+    finally:
+        p.shutdown()
+
+
+_SHEET = hs.make_sheet(
+    layout=hs.LayoutFacts(model="m", dtype="bfloat16", kv_cache_dtype="bfloat16",
+                          group_kinds=("full_attention",), block_sizes=(16,),
+                          kernel_block_sizes=(16,), page_bytes=(4096,), conv_layout="SD",
+                          num_kv_heads=2, cache_format="CPU_ATTN:layout=HND"),
+    engine_id="d", incarnation="i1", tp_size=1, tp_rank=0)
+
+
+def _entry(tid: str, engine: str = "d", size: int = 100, armed: bool = False,
+           rank: int = 0) -> ParkedPull:
+    sheet = msgspec.structs.replace(_SHEET, engine_id=engine, tp_rank=rank)
+    return ParkedPull(b"id-" + tid.encode(), hs.PullRequest(tid, sheet, ((1,),)), 0.0, size,
+                      armed)
+
+
+def test_parking_caps_count_bytes_and_engines_apart_from_armed_pulls():
+    parked = ParkedPulls(max_pulls=3, max_bytes=250, max_per_engine=2, max_busy=1)
+    assert parked.park(_entry("a", "e1")) == (None, None)
+    assert parked.park(_entry("b", "e1")) == (None, None)
+    refusal, _ = parked.park(_entry("c", "e1", size=10))
+    assert refusal is not None and "engine 'e1'" in refusal
+    refusal, _ = parked.park(_entry("c", "e2"))
+    assert refusal is not None and "bytes" in refusal
+    assert parked.park(_entry("c", "e2", size=50)) == (None, None)
+    refusal, _ = parked.park(_entry("d", "e3", size=1))
+    assert refusal is not None and "not armed yet" in refusal
+    assert parked.park(_entry("armed", "e3", armed=True)) == (None, None)  # apart
+    refusal, _ = parked.park(_entry("armed2", "e3", armed=True))
+    assert refusal is not None and "writer" in refusal
+    assert parked.park(_entry("a", "e1")) == (None, b"id-a")  # replaced, not added
+    assert len(parked) == 4
 
 
 def test_non_object_kv_transfer_params_are_ignored_not_a_crash():

@@ -102,6 +102,10 @@ class Sends:
                 self._end_locked(transfer_id, "released by decode")
             return True
 
+    def is_armed(self, transfer_id: str) -> bool:
+        with self._lock:
+            return transfer_id in self._armed
+
     def may_start(self, send: Send) -> bool:
         """A claimed write is about to start: False when decode released the transfer
         since the claim (the write must not run: decode is about to reuse the blocks)."""

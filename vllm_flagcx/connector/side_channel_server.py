@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
+from vllm_flagcx.connector.parked import ParkedPull
 from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.sends import Claim, Send
 from vllm_flagcx.layout import plans
@@ -34,8 +35,12 @@ from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
 
-MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet, per side channel
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
+
+
+def _superseded(pull: hs.PullRequest | None) -> hs.PullReply:
+    return hs.PullReply(pull.transfer_id if pull else "", False,
+                        "superseded by an identical pull (same transfer, receiver and rank)")
 
 
 class SideChannelServer:
@@ -152,37 +157,56 @@ class SideChannelServer:
             problem = pull_problem(message, len(self.settings.layout.block_sizes))
             if problem:
                 return hs.PullReply(message.transfer_id, False, problem)
-            with self._lock:
-                if len(self._parked) >= MAX_PARKED_PULLS:
-                    return hs.PullReply(message.transfer_id, False,
-                                        f"more than {MAX_PARKED_PULLS} pulls wait here")
-                self._parked.append((ident, message,
-                                     time.monotonic() + self.settings.lease_seconds))
-            return None
+            return self._claim_or_park(ident, message, len(data))
         return hs.HandshakeRefused(f"unexpected message {type(message).__name__}")
+
+    def _claim_or_park(self, ident: bytes, pull: hs.PullRequest, size: int
+                       ) -> hs.Message | None:
+        """Claim first (``parked`` says why): a pull for an armed transfer is written or
+        answered now; only one that must wait is parked, within the parking caps."""
+        now = time.monotonic()
+        answer = self._try_claim(ident, pull, now)
+        if answer is not False:
+            return answer
+        armed = self.sends.is_armed(pull.transfer_id)
+        refusal, replaced = self._parked.park(ParkedPull(
+            ident, pull, now + self.settings.lease_seconds, size, armed))
+        if refusal is not None:
+            self.stats["pulls_refused_parking_full"] += 1
+            return hs.PullReply(pull.transfer_id, False, refusal)
+        if replaced is not None and replaced != ident:
+            self._post(replaced, _superseded(pull))
+        return None
+
+    def _try_claim(self, ident: bytes, pull: hs.PullRequest, now: float
+                   ) -> hs.Message | bool | None:
+        """The answer to ``pull`` now (None: a write was started and answers later), or
+        False when it must keep waiting."""
+        claim, what = self.sends.claim(pull.transfer_id, pull.sheet.engine_id)
+        if claim is Claim.WRITE:
+            assert self._writer is not None and isinstance(what, Send)
+            self._writer.submit(self._write_job, ident, what, pull, now)
+            return None
+        if claim is Claim.REFUSED:
+            return hs.PullReply(pull.transfer_id, False, str(what))
+        if claim is Claim.ENDED:
+            return hs.PullReply(pull.transfer_id, False, f"transfer ended here: {what}")
+        return False
 
     def _serve_parked(self) -> list[tuple[bytes, hs.Message]]:
         now = time.monotonic()
         out, keep = [], []
-        with self._lock:
-            parked, self._parked = self._parked, []
-        for ident, pull, deadline in parked:
-            claim, what = self.sends.claim(pull.transfer_id, pull.sheet.engine_id)
-            if claim is Claim.WRITE:
-                assert self._writer is not None and isinstance(what, Send)
-                self._writer.submit(self._write_job, ident, what, pull, now)
-            elif claim is Claim.REFUSED:
-                out.append((ident, hs.PullReply(pull.transfer_id, False, str(what))))
-            elif claim is Claim.ENDED:
-                out.append((ident, hs.PullReply(pull.transfer_id, False,
-                                                f"transfer ended here: {what}")))
-            elif claim is Claim.WAIT and now > deadline:
-                out.append((ident, hs.PullReply(pull.transfer_id, False,
-                                                "unknown or expired transfer id")))
-            else:
-                keep.append((ident, pull, deadline))
-        with self._lock:
-            self._parked = keep + self._parked
+        for entry in self._parked.take_all():
+            answer = self._try_claim(entry.ident, entry.pull, now)
+            if answer is False and not entry.armed and now > entry.deadline:
+                answer = hs.PullReply(entry.pull.transfer_id, False,
+                                      "unknown or expired transfer id")
+            if answer is False:
+                keep.append(entry)
+            elif answer is not None:
+                out.append((entry.ident, answer))
+        for ident in self._parked.put_back(keep):
+            out.append((ident, _superseded(None)))
         return out
 
     def _write_job(self, ident: bytes, send: Send, pull: hs.PullRequest,

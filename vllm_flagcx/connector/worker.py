@@ -33,6 +33,7 @@ from typing import Any
 from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread
 from vllm_flagcx.connector.ledger import STAGES, FailureLedger, _delta
+from vllm_flagcx.connector.parked import ParkedPulls
 from vllm_flagcx.connector.puller import Puller
 from vllm_flagcx.connector.receivers import ReceiverCache
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload
@@ -131,7 +132,7 @@ class WorkerHalf(SideChannelServer, Puller):
         self.sheet: hs.FactSheet | None = None
         self._lock = threading.Lock()
         self.sends = Sends()  # prefill: armed transfers, their writes and how each ended
-        self._parked: list[tuple[bytes, hs.PullRequest, float]] = []
+        self._parked = ParkedPulls()  # prefill: pulls that wait for an arm or a writer
         self._done_recving: set[str] = set()
         self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
