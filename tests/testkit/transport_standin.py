@@ -46,6 +46,7 @@ class MemmoveTransport(Transport):
         self.writes = 0
         self.connects = 0
         self.write_done_at: list[float] = []  # time.monotonic() of each completed copy
+        self.write_first_dst: list[int] = []  # the first destination address of each
         self._desc = f"memmove:{next(_ids)}".encode()
         with _lock:
             _ENDPOINTS[self._desc] = self
@@ -89,6 +90,7 @@ class MemmoveTransport(Transport):
         for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
             ctypes.memmove(d, s, n)
         self.write_done_at.append(time.monotonic())
+        self.write_first_dst.append(int(dst[0]) if dst.size else 0)
         return WriteResult(True, "", int(length.sum()))
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
 from vllm_flagcx.connector.parked import ParkedPull
+from vllm_flagcx.connector.peer_credentials import PeerCheck
 from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.sends import Claim, Send
 from vllm_flagcx.layout import plans
@@ -55,6 +56,7 @@ class SideChannelServer:
         import zmq
 
         auth.require_secret_off_loopback(self.settings.bind_host, self.settings.key)
+        self._peer_check = PeerCheck(authenticated=self.settings.key is not None)
         with unpinned():  # the context's I/O thread starts with the first socket
             self._zmq = self._zmq or zmq.Context()
             sock = self._zmq.socket(zmq.ROUTER)
@@ -104,11 +106,22 @@ class SideChannelServer:
     def _serve_one(self, sock: Any) -> None:
         """One message from the side channel; nothing a peer sends may end the server
         thread (a malformed frame list or any error is answered or dropped, and counted)."""
-        frames = sock.recv_multipart()
+        import zmq
+
+        parts = sock.recv_multipart(copy=False)
+        frames = [p.bytes for p in parts]
         if len(frames) != 3 or frames[1] != b"":
             self.stats["malformed_messages"] += 1
             return  # not a REQ envelope: nobody to answer
         ident, _, frame = frames
+        try:
+            fd = int(parts[-1].get(zmq.SRCFD))
+        except (zmq.ZMQError, TypeError, ValueError):
+            fd = None
+        refusal = self._peer_check.refusal(fd)
+        if refusal is not None:  # answered bare, before the payload is looked at
+            self._refuse_peer(sock, ident, refusal)
+            return
         try:
             data = auth.unseal(self.settings.key, frame)
         except auth.AuthError as exc:  # answered bare: the sender may lack the key
@@ -119,7 +132,7 @@ class SideChannelServer:
             sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(str(exc)))])
             return
         try:
-            reply = self._handle(ident, data)
+            reply = self._handle(ident, data, fd)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
             self.stats["malformed_messages"] += 1
             logger.warning("FlagCX side channel: message refused: %s: %s",
@@ -131,7 +144,15 @@ class SideChannelServer:
     def _seal(self, message: hs.Message) -> bytes:
         return auth.seal(self.settings.key, hs.encode(message))
 
-    def _handle(self, ident: bytes, data: bytes) -> hs.Message | None:
+    def _refuse_peer(self, sock: Any, ident: bytes, refusal: str) -> None:
+        self.stats["refused_peers"] += 1
+        if self.stats["refused_peers"] in (1, 10, 100, 1000):
+            logger.warning("FlagCX side channel: refused %d message(s) from local peers so "
+                           "far: %s", self.stats["refused_peers"], refusal)
+        sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(refusal))])
+
+    def _handle(self, ident: bytes, data: bytes, fd: int | None = None
+                ) -> hs.Message | None:
         try:
             message = hs.decode(data)
         except hs.HandshakeError as exc:
@@ -157,6 +178,11 @@ class SideChannelServer:
             problem = pull_problem(message, len(self.settings.layout.block_sizes))
             if problem:
                 return hs.PullReply(message.transfer_id, False, problem)
+            pid = self.transport.peer_pid(message.sheet.transport_desc)
+            refused = self._peer_check.refusal(fd, pid) if pid is not None else None
+            if refused is not None:
+                self.stats["refused_peers"] += 1
+                return hs.PullReply(message.transfer_id, False, refused)
             return self._claim_or_park(ident, message, len(data))
         return hs.HandshakeRefused(f"unexpected message {type(message).__name__}")
 

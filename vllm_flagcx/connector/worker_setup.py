@@ -113,7 +113,10 @@ def start_line(*, role: str, tp_rank: int, transport: str, advertised_host: str,
 
     where = (f"side channel {bind_host}:{port} (advertised as {advertised_host}:{port})"
              if role == "prefill" else "pulls from the prefill side channels it is given")
-    auth = "HMAC secret set" if secret else "no secret: loopback only"
+    auth = ("HMAC secret set: peers of any user and host that hold it; a same-host pull "
+            "must come from the process it names" if secret else
+            f"no secret: loopback only, and only processes of uid {os.getuid()} (the "
+            "kernel's socket table says who connects)")
     line = (f"FlagCXConnector {role} worker rank {tp_rank}: transport {transport}, {where}, "
             f"{auth}")
     if host_memory:

@@ -43,6 +43,12 @@ class Transport(abc.ABC):
     def connect(self, peer: bytes) -> object:
         """A handle for writing into the peer described by ``peer``."""
 
+    def peer_pid(self, peer: bytes) -> int | None:
+        """The process on this host that writes to ``peer`` would land in (same-host
+        transports), for the side channel to check it is the one asking; None when the
+        transport writes through something else (RDMA, a library's own endpoint)."""
+        return None
+
     @abc.abstractmethod
     def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
               length: np.ndarray) -> WriteResult:

@@ -122,6 +122,12 @@ class LocalTransport(Transport):
         return msgspec.msgpack.encode(_Description(host_id(), os.getpid(), tuple(self.ranges),
                                                    tuple(self.device_ranges)))
 
+    def peer_pid(self, peer: bytes) -> int | None:
+        try:
+            return int(msgspec.msgpack.decode(peer, type=_Description).pid)
+        except msgspec.DecodeError:
+            return None
+
     def connect(self, peer: bytes) -> _Peer:
         try:
             desc = msgspec.msgpack.decode(peer, type=_Description)
