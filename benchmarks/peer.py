@@ -50,6 +50,26 @@ def prefill_side_channel(conn: Any, port: int, num_blocks: int) -> None:
     half.shutdown()
 
 
+def keyed_prefill_side_channel(conn: Any, port: int, num_blocks: int, secret: str) -> None:
+    """``prefill_side_channel`` with a side-channel secret (MAC + CURVE; "" for none);
+    its first message is its pid (for its RSS)."""
+    import os
+
+    from benchmarks import layout as L
+    from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings
+    from vllm_flagcx.transport.local import LocalTransport
+    from vllm_flagcx.wire import auth
+
+    key = auth.load_key(environ={auth.SECRET_ENV: secret}) if secret else None
+    half = WorkerHalf(WorkerSettings(engine_id="bench-prefill", tp_rank=0, tp_size=L.TP,
+                                     layout=layout_facts(), side_channel_port=port, key=key),
+                      LocalTransport())
+    half.register_regions(L.rank_layout(num_blocks).regions, serve=True)
+    conn.send(os.getpid())
+    conn.recv()
+    half.shutdown()
+
+
 def layout_facts() -> Any:
     from benchmarks import layout as L
     from vllm_flagcx.wire import handshake as hs

@@ -24,14 +24,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
 from vllm_flagcx.connector.parked import ParkedPull
 from vllm_flagcx.connector.peer_credentials import PeerCheck
 from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.sends import Claim, Send
-from vllm_flagcx.layout import plans
-from vllm_flagcx.wire import auth
+from vllm_flagcx.connector.side_channel_writes import SideChannelWrites
+from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
@@ -44,7 +43,7 @@ def _superseded(pull: hs.PullRequest | None) -> hs.PullReply:
                         "superseded by an identical pull (same transfer, receiver and rank)")
 
 
-class SideChannelServer:
+class SideChannelServer(SideChannelWrites):
     """Prefill side of ``WorkerHalf`` (see the module docstring)."""
 
     settings: Any
@@ -62,6 +61,11 @@ class SideChannelServer:
             sock = self._zmq.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._zap = None
+        if self.settings.key is not None and curve.available():
+            # strangers are refused in the connection's handshake: no byte is buffered
+            self._zap = curve.ZapHandler(self._zmq, self.settings.key)
+            curve.configure_server(sock, self.settings.key)
         port = self.settings.side_channel_port + self.settings.tp_rank
         sock.bind(f"tcp://{self.settings.bind_host}:{port}")
         self._wake_r, self._wake_w = os.pipe()
@@ -81,9 +85,13 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(20))
+                if self._zap is not None and events.get(self._zap.sock):
+                    self._zap.handle()
                 if events.get(sock):
                     self._serve_one(sock)
                 if events.get(self._wake_r):
@@ -96,6 +104,8 @@ class SideChannelServer:
                     sock.send_multipart([ident, b"", self._seal(reply)])
         finally:
             sock.close()
+            if self._zap is not None:
+                self._zap.close()
 
     def _post(self, ident: bytes, reply: hs.Message) -> None:
         """Queue an answer for the server thread (the only one that touches the socket)."""
@@ -132,7 +142,8 @@ class SideChannelServer:
             sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(str(exc)))])
             return
         try:
-            reply = self._handle(ident, data, fd)
+            role = curve.role_of(parts[-1]) if self._zap is not None else "decode"
+            reply = self._handle(ident, data, fd, role)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
             self.stats["malformed_messages"] += 1
             logger.warning("FlagCX side channel: message refused: %s: %s",
@@ -151,12 +162,17 @@ class SideChannelServer:
                            "far: %s", self.stats["refused_peers"], refusal)
         sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(refusal))])
 
-    def _handle(self, ident: bytes, data: bytes, fd: int | None = None
-                ) -> hs.Message | None:
+    def _handle(self, ident: bytes, data: bytes, fd: int | None = None,
+                role: str = "decode") -> hs.Message | None:
         try:
             message = hs.decode(data)
         except hs.HandshakeError as exc:
             return hs.HandshakeRefused(str(exc))
+        if role != "decode" and type(message).__name__ not in curve.ROUTER_MAY:
+            self.stats["refused_roles"] += 1
+            return hs.HandshakeRefused(f"the {role or 'unknown'} credential may send "
+                                       f"{' and '.join(curve.ROUTER_MAY)} only, not "
+                                       f"{type(message).__name__}")
         if isinstance(message, hs.HandshakeRequest):
             self.stats["handshakes_served"] += 1
             if message.protocol_version != hs.PROTOCOL_VERSION:
@@ -234,102 +250,3 @@ class SideChannelServer:
         for ident in self._parked.put_back(keep):
             out.append((ident, _superseded(None)))
         return out
-
-    def _write_job(self, ident: bytes, send: Send, pull: hs.PullRequest,
-                   claimed_at: float) -> None:
-        """One claimed write, finished exactly once whatever happens (``Sends.finish``), and
-        only then answered: the Releases it held back are acknowledged after it.
-
-        A write that waited behind busy writers does not start once decode released the
-        transfer, nor later than ``write_start_timeout`` after its claim: decode may have
-        given up on it by then, and a late write would land in blocks vLLM reused."""
-        reply = hs.PullReply(pull.transfer_id, False, "write not run")
-        try:
-            waited = time.monotonic() - claimed_at
-            if not self.sends.may_start(send):
-                reply = hs.PullReply(pull.transfer_id, False, "released by decode before "
-                                     "this write started: not written")
-            elif waited > self.settings.write_start_timeout:
-                reply = hs.PullReply(pull.transfer_id, False, (
-                    f"this write waited {waited:.1f} s for a writer (more than "
-                    f"write_start_timeout={self.settings.write_start_timeout:g} s): not "
-                    "written"))
-            else:
-                reply = self._write(send, pull)
-        except Exception as exc:  # the last guard: the claim is still finished below
-            logger.warning("FlagCX write for %s: %s: %s", pull.transfer_id,
-                           type(exc).__name__, exc)
-            reply = hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
-        finally:
-            if not reply.ok:
-                with self._lock:
-                    self.stats["send_failures"] += 1
-            waiters = self.sends.finish(pull.transfer_id, send, pull.sheet.tp_rank,
-                                        pull.sheet.tp_size)
-        self._post(ident, reply)
-        for waiter in waiters:
-            self._post(waiter, hs.Ack(pull.transfer_id))
-
-    def _write(self, send: Send, pull: hs.PullRequest) -> hs.PullReply:
-        started = time.monotonic()
-        try:
-            hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
-            receiver = self._receivers.get(pull.sheet, self.regions)
-            plan = receiver.table.plan(
-                send.task.block_ids, pull.block_ids, self.kernel_ratios or None,
-                list(pull.offsets) or None)
-            plans.check_within(plan, self._storages, receiver.spans)
-            if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
-                return hs.PullReply(pull.transfer_id, True)
-            handle = self._connection(receiver.sheet)
-            result = self.transport.write(handle, plan.src, plan.dst, plan.length)
-        except Exception as exc:  # whatever a pull names, the transfer ends and is freed
-            self._connections.pop(pull.sheet.incarnation, None)
-            return hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
-        if not result.ok:
-            self._connections.pop(pull.sheet.incarnation, None)
-            return hs.PullReply(pull.transfer_id, False, result.error)
-        with self._lock:
-            self.stats["send_bytes"] += plan.num_bytes
-            self.stats["send_descriptors"] += plan.num_descriptors
-            self.stats["send_seconds"] += time.monotonic() - started
-        sample, crc = (), 0
-        if self.settings.verify_integrity and self._read_kv is not None:
-            # Read before the pull ends: the blocks may be freed (and reused) right after.
-            try:
-                src_ranges, dst_ranges = integrity.sample_ranges(plan.src, plan.dst,
-                                                                 plan.length)
-                sample, crc = tuple(dst_ranges), integrity.checksum(src_ranges, self._read_kv)
-            except Exception as exc:  # the bytes moved; only the proof of it is lost
-                logger.warning("FlagCX integrity sample of %s not taken: %s",
-                               pull.transfer_id, exc)
-        return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
-                            sample, crc, self._logical_sample(send, pull))
-
-    def _logical_sample(self, send: Send, pull: hs.PullRequest
-                        ) -> tuple[integrity.LogicalEntry, ...]:
-        if not self.settings.verify_integrity:
-            return ()
-        try:
-            return integrity.logical_sample(
-                self.views, [list(g) for g in send.task.block_ids],
-                [list(g) for g in pull.block_ids], list(pull.offsets),
-                self.settings.tp_rank, self.settings.tp_size, pull.sheet.tp_rank,
-                pull.sheet.tp_size)
-        except Exception as exc:  # the bytes moved; only the proof of it is lost
-            logger.warning("FlagCX logical integrity sample of %s not taken: %s",
-                           pull.transfer_id, exc)
-            return ()
-
-    def _connection(self, sheet: hs.FactSheet) -> object:
-        with self._connect_lock:  # writer threads: one connect per receiver
-            handle = self._connections.get(sheet.incarnation)
-            if handle is None:
-                handle = self.transport.connect(sheet.transport_desc)
-                self._connections[sheet.incarnation] = handle
-            return handle
-
-    def _expire_leases(self) -> None:
-        expired = self.sends.expire(time.monotonic())
-        with self._lock:
-            self.stats["expired_leases"] += expired

@@ -109,7 +109,7 @@ class Proxy:
                     client.ask, zmq.Context.instance(), instance.host,
                     instance.side_channel_port,
                     handshake.HandshakeRequest(handshake.PROTOCOL_VERSION, 0),
-                    self.settings.connect_timeout, None, self.settings.key)
+                    self.settings.connect_timeout, None, self.settings.key, "router")
             except (TimeoutError, OSError, zmq.ZMQError, handshake.HandshakeError) as exc:
                 instance.failed += 1
                 raise LegError(502, "prefill", instance.url, f"{where}: {exc}") from None

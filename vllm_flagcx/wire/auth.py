@@ -1,11 +1,13 @@
 """Side-channel authentication: an HMAC-SHA256 tag over every message, keyed by a secret
 that prefill, decode and the router share.
 
-Why a MAC and not ZMQ CURVE: CURVE needs libzmq built with libsodium (not every wheel or
-vendor build has it) and a key pair per instance; one shared secret, set the same way on
-every instance, is what an operator of a PD deployment can actually manage. The tag
-authenticates the sender and the content; it does not hide the content (KV bytes never
-travel on the side channel, only block ids, addresses and layout facts).
+The tag authenticates the sender and the content; it does not hide it, and a server
+must take a message in before it can check one. So with a secret the connection is also
+ZMQ CURVE, keys derived from the same secret (``curve``): strangers are refused in the
+connection's handshake, the content is encrypted, replays from another connection fail.
+The tag stays: it is the one check where libzmq lacks CURVE (no libsodium), and it ties
+each message to the secret on top of the session. One shared secret, set the same way on
+every instance, is what an operator of a PD deployment can actually manage.
 
 Frame on the wire: ``MAGIC + tag(32 bytes) + payload`` with a secret, the bare msgpack
 payload without one. A msgpack message never starts with ``MAGIC`` (a struct encodes as a

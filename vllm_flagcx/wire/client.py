@@ -12,8 +12,10 @@ import socket
 import time
 from typing import Any
 
-from vllm_flagcx.wire import auth
+from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
+
+HANDSHAKE_EVENTS = (1 << 11) | (1 << 13) | (1 << 14)  # zmq.EVENT_HANDSHAKE_FAILED_*
 
 
 class PeerGoneError(ConnectionError):
@@ -40,7 +42,8 @@ def listening(host: str, port: int, timeout: float = 0.5) -> bool | None:
 
 
 def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
-        probe_every: float | None = None, key: bytes | None = None) -> hs.Message:
+        probe_every: float | None = None, key: bytes | None = None,
+        role: str = "decode") -> hs.Message:
     """Send ``message`` to ``host:port`` and return the answer; TimeoutError after
     ``timeout`` seconds without one.
 
@@ -48,12 +51,18 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
     connections, and raise PeerGoneError as soon as it refuses (ZMQ itself reconnects to
     a dead peer silently, forever). ``key``: the side-channel secret's MAC key
     (``auth.load_key``); an answer that fails authentication raises ``auth.AuthError``.
+    With a key the connection is CURVE-encrypted as ``role`` (``curve``), and a
+    handshake the peer refuses raises ``auth.AuthError`` saying which side's secret is
+    missing or differs, instead of waiting out the timeout.
     """
     import zmq
 
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+    if key is not None and curve.available():
+        curve.configure_client(sock, key, role)
+    monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
     deadline = time.monotonic() + timeout
     late = f"no answer from {host}:{port} within {timeout:.1f} s"
     try:
@@ -64,9 +73,12 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
             if left <= 0:
                 raise TimeoutError(late)
             wait = left if probe_every is None else min(left, probe_every)
-            if sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
+            ready = dict(_poller(sock, monitor).poll(max(1, int(wait * 1000))))
+            if ready.get(sock):
                 return _open_answer(key, sock.recv())
-            if probe_every is not None and listening(host, port) is False:
+            if ready.get(monitor):
+                _raise_on_handshake_failure(monitor, key is not None, host, port)
+            elif probe_every is not None and listening(host, port) is False:
                 raise PeerGoneError(f"{host}:{port} refuses connections: the prefill "
                                     "worker that serves it is gone")
     except zmq.error.Again as exc:  # the send itself timed out
@@ -75,7 +87,28 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
         raise ConnectionAbortedError(f"asking {host}:{port}: the side channel was closed "
                                      "(shutdown)") from exc
     finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close()
         sock.close()
+
+
+def _poller(sock: Any, monitor: Any) -> Any:
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    return poller
+
+
+def _raise_on_handshake_failure(monitor: Any, with_key: bool, host: str, port: int) -> None:
+    from zmq.utils.monitor import recv_monitor_message
+
+    event = recv_monitor_message(monitor)
+    why = curve.handshake_failure(int(event["event"]), int(event["value"]), with_key)
+    if why is not None:
+        raise auth.AuthError(f"{host}:{port}: {why}")
 
 
 def _open_answer(key: bytes | None, frame: bytes) -> hs.Message:
@@ -94,7 +127,8 @@ def _open_answer(key: bytes | None, frame: bytes) -> hs.Message:
 
 
 def release_transfer(host: str, port: int, tp_size: int, transfer_id: str,
-                     timeout: float = 2.0, key: bytes | None = None) -> list[str]:
+                     timeout: float = 2.0, key: bytes | None = None,
+                     role: str = "router") -> list[str]:
     """Send ``Release(transfer_id)`` to prefill ranks ``port .. port+tp_size-1``; returns
     the errors (empty when every rank acknowledged)."""
     import zmq
@@ -103,7 +137,7 @@ def release_transfer(host: str, port: int, tp_size: int, transfer_id: str,
     for rank in range(tp_size):
         try:
             reply = ask(zmq.Context.instance(), host, port + rank, hs.Release(transfer_id),
-                        timeout, key=key)
+                        timeout, key=key, role=role)
             if not isinstance(reply, hs.Ack):
                 errors.append(f"{host}:{port + rank}: answered {type(reply).__name__}")
         except (TimeoutError, OSError, zmq.ZMQError, hs.HandshakeError) as exc:

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections import defaultdict
 
-from vllm_flagcx.wire import auth
+from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.params import RemotePrefill
 
@@ -58,21 +58,13 @@ class HeartbeatSender:
 
         context = zmq.Context.instance()
         for (host, port, tp), tids in self._targets().items():
-            message = auth.seal(self.key, hs.encode(hs.Heartbeat(tuple(tids))))
             for rank in range(tp):
-                sock = context.socket(zmq.REQ)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.RCVTIMEO, int(self.timeout * 1000))
-                sock.setsockopt(zmq.SNDTIMEO, int(self.timeout * 1000))
                 try:
-                    sock.connect(f"tcp://{host}:{port + rank}")
-                    sock.send(message)
-                    sock.recv()
+                    client.ask(context, host, port + rank, hs.Heartbeat(tuple(tids)),
+                               self.timeout, key=self.key)
                     self.sent += 1
-                except zmq.error.ZMQError as exc:
+                except (TimeoutError, OSError, zmq.ZMQError, hs.HandshakeError) as exc:
                     logger.debug("heartbeat to %s:%d failed: %s", host, port + rank, exc)
-                finally:
-                    sock.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
