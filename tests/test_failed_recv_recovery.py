@@ -22,6 +22,7 @@ from testkit import vllm_harness as harness
 from testkit.transport_standin import Faults
 
 from vllm_flagcx.compat.blocks import strip_null_blocks
+from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.config import failure_policy
 from vllm_flagcx.compat.kv_cache import SpecKind, group_facts
 from vllm_flagcx.compat.recovery import NATIVE, SCHEDULER_FAILED_SET, recovery_probe
@@ -197,8 +198,11 @@ def test_burst_of_failed_receives_in_a_tight_decode_pool_all_finish(num_blocks):
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="hybrid", num_blocks=400,
                           faults=Faults(fail_write_at=frozenset(range(0, 40, 3))))
+    # recompute: the path that must yield (under 0.34's default "fail" the failed
+    # requests end in an error at once and hold nothing)
+    policy = "recompute" if capabilities().kv_load_failure_policy_default != "absent" else None
     d = pd.build_instance("kv_consumer", 1, port + 5, model="hybrid", recv_timeout=3.0,
-                          seed=1, num_blocks=num_blocks)
+                          seed=1, num_blocks=num_blocks, failure_policy=policy)
     try:
         records = pd.run_prefill(p, [70 + 7 * (i % 9) for i in range(30)], timeout=120)
         assert all(r["params"] for r in records.values())
@@ -208,6 +212,9 @@ def test_burst_of_failed_receives_in_a_tight_decode_pool_all_finish(num_blocks):
         assert not stuck, f"{len(stuck)} of {len(records)} decode requests never finished"
         failed = sum(d.workers[0].ledger.counts.values())
         assert failed > 0  # the burst happened
+        # ... and reached the scheduler half as vLLM's worker reports it (0.34 too: the
+        # worker meta next to failed_recving), so the yield rule above really ran
+        assert d.scheduler.connector.scheduler.recomputed_after_failure == failed
         assert not pd.busy(p) and not pd.busy(d)
     finally:
         p.shutdown()

@@ -122,3 +122,16 @@ def test_failed_decode_legs_leave_no_request_counted_in_flight():
     assert codes == [400, 502]
     assert [i.in_flight for i in proxy.decode.instances] == [0, 0]
     assert [i.failed for i in proxy.decode.instances] == [1, 1]
+
+
+def test_prefill_answering_200_with_non_json_is_a_502_naming_it():
+    """Upstream garbage from prefill was a JSON 500 from the router; it is prefill's
+    failure: a 502 naming prefill, and decode is never asked."""
+    with rs.upstream("prefill", raw_body=b"<html>oops") as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, proxy):
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert p.url in error["message"] and "not a JSON object" in error["message"]
+    assert error["type"] == "prefill_error" and not d.seen
+    assert all(i.in_flight == 0 for i in proxy.prefill.instances)

@@ -30,6 +30,7 @@ SECRET = "correct horse battery staple 42"
 def secret_file(tmp_path):
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
+    path.chmod(0o600)
     return str(path)
 
 
@@ -62,12 +63,17 @@ def test_secret_sources_and_their_errors_never_show_the_secret(tmp_path):
     assert auth.load_key(environ={}) is None
     short = tmp_path / "short"
     short.write_text("tiny")
+    short.chmod(0o600)
     with pytest.raises(auth.AuthError, match=auth.SECRET_FILE_KEY) as err:
         auth.load_key(str(short), environ={})
     assert "tiny" not in str(err.value)
     with pytest.raises(auth.AuthError, match="cannot read"):
         auth.load_key(str(tmp_path / "missing"), environ={})
     (tmp_path / "good").write_text(SECRET)
+    with pytest.raises(auth.AuthError, match="chmod 600") as err:  # umask's 644: refused
+        auth.load_key(str(tmp_path / "good"), environ={})
+    assert SECRET not in str(err.value)
+    (tmp_path / "good").chmod(0o600)
     from_file = auth.load_key(str(tmp_path / "good"), environ={auth.SECRET_ENV: "x" * 20})
     assert from_file == auth.load_key(environ={auth.SECRET_ENV: SECRET})
 

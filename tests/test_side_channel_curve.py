@@ -24,6 +24,7 @@ SECRET = "correct horse battery staple 42"
 def secret_file(tmp_path):
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
+    path.chmod(0o600)
     return str(path)
 
 

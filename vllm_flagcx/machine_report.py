@@ -71,13 +71,14 @@ def side_channel_report() -> dict[str, Any]:
     from vllm_flagcx.connector.settings import ConnectorSettings
 
     defaults = ConnectorSettings.from_extra(None)
-    secret = bool(os.environ.get("VLLM_FLAGCX_SIDE_CHANNEL_SECRET"))
+    secret = bool(os.environ.get("FLAGCX_SIDE_CHANNEL_SECRET")
+                  or os.environ.get("VLLM_FLAGCX_SIDE_CHANNEL_SECRET"))
     return {"host": defaults.side_channel_host, "bind": defaults.bind_host,
             "port": defaults.side_channel_port, "secret_in_env": secret,
             "note": ("defaults: prefill TP rank r listens on port + r (+ DP rank x TP "
                      "size); across hosts set kv_connector_extra_config.side_channel_host "
                      "to an address decode can reach, side_channel_bind if it differs, and "
-                     "a secret (VLLM_FLAGCX_SIDE_CHANNEL_SECRET or side_channel_secret_file)")}
+                     "a secret (FLAGCX_SIDE_CHANNEL_SECRET or side_channel_secret_file)")}
 
 
 def collect() -> dict[str, Any]:
@@ -105,7 +106,7 @@ def render(data: dict[str, Any], out: Any) -> None:
     out.write(f"  rdma     devices: {devices}\n")
     out.write(f"  auto     transport 'auto' would choose {fx['auto_transport']} "
               f"({fx['auto_reason']})\n")
-    auth = ("secret set in VLLM_FLAGCX_SIDE_CHANNEL_SECRET" if side["secret_in_env"]
+    auth = ("secret set in FLAGCX_SIDE_CHANNEL_SECRET" if side["secret_in_env"]
             else "no secret: served on loopback only")
     out.write(f"  side     channel {side['bind']}:{side['port']} by default, {auth}; "
               f"{side['note']}\n")

@@ -135,12 +135,17 @@ class Instance:
             del self.finished[key]
         failed_now = self.failed & done_r
         self.failed -= failed_now
+        per_request = reports_failures_per_request(kv_cache.group_facts(self.ranks[0].config))
+        fields = load_failure_fields(failed=failed_now, invalid_blocks=invalid,
+                                     per_request=per_request,
+                                     worker_meta=FlagCXWorkerMetadata(failed_now))
+        if per_request and failed_now:
+            # vLLM's own worker also sends what build_connector_worker_meta returns, on
+            # every build that has the field (0.34 too, next to failed_recving); dropped
+            # by make_connector_output where the field is absent
+            fields.setdefault("kv_connector_worker_meta", FlagCXWorkerMetadata(failed_now))
         kv_out = make_connector_output(
-            finished_sending=done_s or None, finished_recving=done_r or None,
-            **load_failure_fields(failed=failed_now, invalid_blocks=invalid,
-                                  per_request=reports_failures_per_request(
-                                      kv_cache.group_facts(self.ranks[0].config)),
-                                  worker_meta=FlagCXWorkerMetadata(failed_now)))
+            finished_sending=done_s or None, finished_recving=done_r or None, **fields)
         self.outputs.append(self.scheduler.update_from_output(
             out, harness.model_output(out, kv_connector_output=kv_out)))
 

@@ -101,3 +101,8 @@ class MemmoveTransport(Transport):
 def factory(vllm_config: object, tp_rank: int) -> MemmoveTransport:
     """``transport_factory`` entry for kv_connector_extra_config (stand-in, see above)."""
     return MemmoveTransport()
+
+
+def not_a_transport(vllm_config: object, tp_rank: int) -> object:
+    """A ``transport_factory`` that returns something else (a configuration error)."""
+    return object()

@@ -38,6 +38,21 @@ logger = logging.getLogger("vllm_flagcx")
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
 
 
+def bind_error(host: str, port: int, rank: int, exc: Exception) -> RuntimeError:
+    """What to do when the side channel cannot listen, naming the setting."""
+    import errno
+
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:
+        return RuntimeError(
+            f"kv_connector_extra_config.side_channel_port: port {port} (base + TP rank "
+            f"{rank}) on {host} is in use; give each prefill instance its own "
+            "side_channel_port, its ranks use base .. base + TP size - 1")
+    return RuntimeError(
+        f"kv_connector_extra_config.side_channel_bind / side_channel_host={host!r}: the side "
+        f"channel cannot listen there ({exc}); use an IP address of this machine's "
+        "interfaces (or 0.0.0.0 with a secret), not a host name")
+
+
 def _superseded(pull: hs.PullRequest | None) -> hs.PullReply:
     return hs.PullReply(pull.transfer_id if pull else "", False,
                         "superseded by an identical pull (same transfer, receiver and rank)")
@@ -67,7 +82,15 @@ class SideChannelServer(SideChannelWrites):
             self._zap = curve.ZapHandler(self._zmq, self.settings.key)
             curve.configure_server(sock, self.settings.key)
         port = self.settings.side_channel_port + self.settings.tp_rank
-        sock.bind(f"tcp://{self.settings.bind_host}:{port}")
+        try:
+            sock.bind(f"tcp://{self.settings.bind_host}:{port}")
+        except zmq.ZMQError as exc:
+            sock.close()
+            if self._zap is not None:  # else the context's term() waits on it forever
+                self._zap.close()
+                self._zap = None
+            raise bind_error(self.settings.bind_host, port, self.settings.tp_rank,
+                             exc) from None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)

@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from vllm_flagcx.connector.settings import ConnectorSettings
+from vllm_flagcx.transport.base import Transport
 
 
 def flagcx_available(configured_library: str | None = None, rdma_check: bool = True
@@ -53,7 +54,21 @@ def make_transport(settings: ConnectorSettings, vllm_config: Any, tp_rank: int,
     with the checked settings (never the raw extra config: ``flagcx_rdma_check: "off"``
     means off to both the choice and the transport)."""
     if settings.transport_factory:
-        return load_factory(settings.transport_factory)(vllm_config, tp_rank)
+        factory = load_factory(settings.transport_factory)
+        try:
+            transport = factory(vllm_config, tp_rank)
+        except TypeError as exc:
+            raise ValueError(
+                f"kv_connector_extra_config.transport_factory="
+                f"{settings.transport_factory!r}: calling it as factory(vllm_config, "
+                f"tp_rank) failed ({exc}); it must take those two arguments and return a "
+                "Transport") from None
+        if not isinstance(transport, Transport):
+            raise ValueError(
+                f"kv_connector_extra_config.transport_factory="
+                f"{settings.transport_factory!r} returned {type(transport).__name__}, not "
+                "a vllm_flagcx.transport.base.Transport")
+        return transport
     if chosen_transport(settings) == "flagcx":
         from vllm_flagcx.transport.flagcx import open_transport
 

@@ -123,7 +123,8 @@ def stop_all(servers: list[Server], grace: float = procs.GRACE_SECONDS) -> None:
 
 # The connector's own environment settings: a started server keeps them (dropping the
 # secret silently made the engines serve an unauthenticated side channel).
-PRODUCT_ENV = ("VLLM_FLAGCX_SIDE_CHANNEL_SECRET", "VLLM_FLAGCX_CUDA_BATCHED_COPY")
+PRODUCT_ENV = ("VLLM_FLAGCX_SIDE_CHANNEL_SECRET", "VLLM_FLAGCX_CUDA_BATCHED_COPY",
+               "FLAGCX_SIDE_CHANNEL_SECRET")
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--side-channel-secret-file", default=None,
                    help="file holding the side-channel secret the prefill and decode "
                         "instances use (default: the environment variable "
-                        "VLLM_FLAGCX_SIDE_CHANNEL_SECRET, else none)")
+                        "FLAGCX_SIDE_CHANNEL_SECRET, else none)")
     p.add_argument("--log-level", default="info")
     return p
 

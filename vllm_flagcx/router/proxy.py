@@ -84,8 +84,16 @@ class Proxy:
             raise LegError(response.status_code, "prefill", instance.url,
                            f"answered HTTP {response.status_code}",
                            upstream_error(response))
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            instance.failed += 1
+            raise LegError(502, "prefill", instance.url, "answered HTTP 200 with a body that "
+                           f"is not a JSON object: {response.text[:200]!r}")
         instance.served += 1
-        params = response.json().get("kv_transfer_params")
+        params = answer.get("kv_transfer_params")
         if not params:
             # Prefill holds nothing (not a kv_producer, or nothing to send): decode computes
             # the prompt itself. Counted, so a misconfigured prefill is visible in /stats.

@@ -21,13 +21,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from vllm_flagcx.wire.handshake import HandshakeError
 
-SECRET_ENV = "VLLM_FLAGCX_SIDE_CHANNEL_SECRET"
+# Not VLLM_-prefixed: vLLM warns about every VLLM_* variable it does not know, and
+# refuses to start with --fail-on-environ-validation. The old name is still read.
+SECRET_ENV = "FLAGCX_SIDE_CHANNEL_SECRET"
+LEGACY_SECRET_ENV = "VLLM_FLAGCX_SIDE_CHANNEL_SECRET"
 # A file, not the secret itself: vLLM logs its kv_transfer_config (extra config included)
 # at startup, so a secret written there would end up in every log.
 SECRET_FILE_KEY = "side_channel_secret_file"  # kv_connector_extra_config key
@@ -53,6 +57,15 @@ def load_key(secret_file: str | None = None, environ: Mapping[str, str] | None =
     if secret_file:
         source = f"kv_connector_extra_config.{SECRET_FILE_KEY}={secret_file!r}"
         try:
+            mode = os.stat(secret_file).st_mode
+        except OSError as exc:
+            raise AuthError(f"{source}: cannot read it ({exc.strerror}); name a readable "
+                            "file that holds the secret") from None
+        if mode & 0o077:
+            raise AuthError(f"{source}: the file is open to other users (mode "
+                            f"{mode & 0o777:o}); `chmod 600` it so only the engine's user "
+                            "can read the secret")
+        try:
             secret = Path(secret_file).read_text().strip()
         except OSError as exc:
             raise AuthError(f"{source}: cannot read it ({exc.strerror}); name a readable "
@@ -61,6 +74,12 @@ def load_key(secret_file: str | None = None, environ: Mapping[str, str] | None =
             raise AuthError(f"{source}: the file is empty")
     else:
         source, secret = SECRET_ENV, environ.get(SECRET_ENV, "").strip()
+        if not secret and environ.get(LEGACY_SECRET_ENV, "").strip():
+            source, secret = LEGACY_SECRET_ENV, environ[LEGACY_SECRET_ENV].strip()
+            logging.getLogger("vllm_flagcx").warning(
+                "%s is deprecated: vLLM flags unknown VLLM_* variables (and refuses them "
+                "with --fail-on-environ-validation); set %s instead", LEGACY_SECRET_ENV,
+                SECRET_ENV)
         if not secret:
             return None
     if len(secret) < MIN_SECRET_CHARS:

@@ -66,7 +66,10 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
     deadline = time.monotonic() + timeout
     late = f"no answer from {host}:{port} within {timeout:.1f} s"
     try:
-        sock.connect(f"tcp://{host}:{port}")
+        try:
+            sock.connect(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:  # a malformed host: an OSError every caller handles
+            raise ConnectionError(f"cannot connect to {host!r}:{port}: {exc}") from None
         sock.send(auth.seal(key, hs.encode(message)))
         while True:
             left = deadline - time.monotonic()
