@@ -14,7 +14,6 @@ import importlib
 from typing import Any
 
 from vllm_flagcx.connector.settings import ConnectorSettings
-from vllm_flagcx.transport.base import Transport
 
 
 def flagcx_available(configured_library: str | None = None, rdma_check: bool = True
@@ -54,6 +53,8 @@ def make_transport(settings: ConnectorSettings, vllm_config: Any, tp_rank: int,
     with the checked settings (never the raw extra config: ``flagcx_rdma_check: "off"``
     means off to both the choice and the transport)."""
     if settings.transport_factory:
+        from vllm_flagcx.transport.base import Transport
+
         factory = load_factory(settings.transport_factory)
         try:
             transport = factory(vllm_config, tp_rank)
