@@ -12,10 +12,16 @@ or 8,192 tokens. Timed per pull:
 * logical check, decode: refusing bad keys, the same reads, the comparison
   (``integrity.logical_mismatch``): on the pull's critical path;
 * the baseline: copying the request's blocks of every layer (``index_copy_``).
+
+Where CUDA is available the same runs on the GPU (the caches in device memory: the
+samples gather on the device and copy a few KiB to the host), once idle and once while
+the default stream is busy with an engine-like kernel queue (the logical reads run on a
+side stream, so they wait for none of it).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -29,9 +35,10 @@ LAYERS, HEADS, HEAD_DIM, BLOCK = 10, 2, 256, 16
 TOKENS = (1024, 8192)
 
 
-def _caches(num_blocks: int) -> dict[str, torch.Tensor]:
-    return {f"layers.{4 * i + 3}.attn": torch.randn(2, num_blocks, HEADS, BLOCK, HEAD_DIM)
-            .to(torch.bfloat16) for i in range(LAYERS)}
+def _caches(num_blocks: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {f"layers.{4 * i + 3}.attn": torch.randn(2, num_blocks, HEADS, BLOCK, HEAD_DIM,
+                                                    device=device).to(torch.bfloat16)
+            for i in range(LAYERS)}
 
 
 def _views(caches: dict[str, torch.Tensor]) -> dict[str, kv_views.AttentionView]:
@@ -41,9 +48,19 @@ def _views(caches: dict[str, torch.Tensor]) -> dict[str, kv_views.AttentionView]
             for name, t in caches.items()}
 
 
-def _measure(tokens: int, reps: int) -> dict[str, Any]:
+def _busy_default_stream(device: str) -> Any:
+    """Queue ~50 ms of matmuls on the default stream (what a running engine does)."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    for _ in range(60):
+        a = a @ a
+        a = a / a.norm()
+    return a
+
+
+def _measure(tokens: int, reps: int, device: str = "cpu", busy: bool = False
+             ) -> dict[str, Any]:
     blocks = tokens // BLOCK
-    p, d = _caches(blocks * 2), _caches(blocks * 2)
+    p, d = _caches(blocks * 2, device), _caches(blocks * 2, device)
     p_ids, d_ids = list(range(0, blocks)), list(range(blocks, 2 * blocks))
     p_views, d_views = _views(p), _views(d)
     index, source = torch.as_tensor(d_ids), torch.as_tensor(p_ids)
@@ -55,33 +72,60 @@ def _measure(tokens: int, reps: int) -> dict[str, Any]:
     def prefill() -> tuple[integrity.LogicalEntry, ...]:
         return integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0, 1)
 
+    def timed(fn: Any, n: int) -> dict[str, float]:
+        if not busy:
+            return report.summary(report.time_us(fn, n))
+        samples = []
+        for _ in range(n):  # each read starts while ~50 ms of kernels are queued
+            _busy_default_stream(device)
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+        return report.summary(samples)
+
     copy()
     entries = list(prefill())
     assert integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1) is None
     tails = [(t.data_ptr() + k * 4096 + 4032, 64) for t in p.values() for k in range(2)][:16]
+    if device != "cpu":
+        torch.cuda.synchronize()
     timings = {
-        "copy": report.summary(report.time_us(copy, max(5, reps // 10))),
-        "byte": report.summary(report.time_us(lambda: integrity.checksum(tails), reps)),
-        "prefill": report.summary(report.time_us(prefill, reps)),
-        "decode": report.summary(report.time_us(
-            lambda: integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1), reps)),
+        "copy": report.summary(report.time_us(lambda: (copy(), _sync(device)),
+                                              max(5, reps // 10))),
+        "byte": report.summary(report.time_us(lambda: integrity.checksum(tails), reps))
+        if device == "cpu" else {"median": float("nan"), "p99": float("nan")},
+        "prefill": timed(prefill, reps),
+        "decode": timed(lambda: integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1),
+                        reps),
     }
     kv_bytes = sum(t[:, :blocks].numel() * 2 for t in p.values())
-    return {"tokens": tokens, "kv_bytes": kv_bytes, "keys": len(entries),
+    if busy:
+        torch.cuda.synchronize()
+    return {"device": device + (" (default stream busy)" if busy else ""), "tokens": tokens,
+            "kv_bytes": kv_bytes, "keys": len(entries),
             **{f"{k}_us": v for k, v in timings.items()},
             "decode_vs_copy": timings["decode"]["median"] / timings["copy"]["median"]}
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 def run(quick: bool) -> dict[str, Any]:
     reps = 30 if quick else 300
     out = [_measure(tokens, reps) for tokens in TOKENS]
-    rows = [(r["tokens"], f"{r['kv_bytes'] / 1e6:.1f}", r["keys"], r["copy_us"]["median"],
+    if torch.cuda.is_available():
+        out += [_measure(tokens, reps, "cuda") for tokens in TOKENS]
+        out += [_measure(TOKENS[-1], max(10, reps // 10), "cuda", busy=True)]
+    rows = [(r["device"], r["tokens"], f"{r['kv_bytes'] / 1e6:.1f}", r["keys"], r["copy_us"]["median"],
              r["byte_us"]["median"], r["prefill_us"]["median"], r["decode_us"]["median"],
              r["decode_vs_copy"]) for r in out]
     text = report.table(
         f"B2d integrity checks of one pull vs copying its KV once (host memory, Qwen3.6 "
         f"attention at TP 1), {reps} reps, medians in us",
-        ("tokens", "KV MB", "logical keys", "copy", "byte sample", "logical prefill",
+        ("device", "tokens", "KV MB", "logical keys", "copy", "byte sample", "logical prefill",
          "logical decode", "decode / copy"), rows)
     return {"name": "b2d_integrity", "text": text, "rows": out}
 
@@ -89,7 +133,7 @@ def run(quick: bool) -> dict[str, Any]:
 def chart(result: dict[str, Any], out_dir: Any) -> None:
     rows = result["rows"]
     report.bar_chart(out_dir, "b2d_integrity", "B2d integrity checks vs one copy",
-                     [f"{r['tokens']:,} tokens" for r in rows],
+                     [f"{r['device']} {r['tokens']:,} tokens" for r in rows],
                      {name: [r[f"{key}_us"]["median"] for r in rows]
                       for name, key in (("copy", "copy"), ("byte sample", "byte"),
                                         ("logical prefill", "prefill"),

@@ -39,12 +39,32 @@ class AttentionView:
         import torch
 
         device = self.parts[0].device
-        index = [torch.as_tensor(list(v), dtype=torch.long, device=device)
-                 for v in (kernel_blocks, slots, local_heads)]
-        rows = torch.cat([p[index[0], index[1], index[2]].reshape(len(slots), -1)
-                          for p in self.parts], dim=1)
-        raw = rows.contiguous().cpu().view(torch.uint8).numpy()
+        with _side_stream(device):
+            index = [torch.as_tensor(list(v), dtype=torch.long, device=device)
+                     for v in (kernel_blocks, slots, local_heads)]
+            rows = torch.cat([p[index[0], index[1], index[2]].reshape(len(slots), -1)
+                              for p in self.parts], dim=1)
+            raw = rows.contiguous().cpu().view(torch.uint8).numpy()
         return [zlib.crc32(row.tobytes()) for row in raw]
+
+
+_STREAMS: dict[Any, Any] = {}
+
+
+def _side_stream(device: Any) -> Any:
+    """On a GPU, a stream of the check's own: its few-KiB gathers and copy then wait for
+    none of the engine's kernels queued on the default stream (the blocks it reads are
+    this request's, which no running kernel writes). Elsewhere, nothing."""
+    import contextlib
+
+    import torch
+
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS.setdefault(device, torch.cuda.Stream(device=device))
+    return torch.cuda.stream(stream)
 
 
 def _five_d_parts(cache: Any, dims: str | None) -> tuple[Any, ...]:
