@@ -120,8 +120,8 @@ def run(quick: bool) -> dict[str, Any]:
         out += [_measure(tokens, reps, "cuda") for tokens in TOKENS]
         out += [_measure(TOKENS[-1], max(10, reps // 10), "cuda", busy=True)]
     rows = [(r["device"], r["tokens"], f"{r['kv_bytes'] / 1e6:.1f}", r["keys"],
-             r["copy_us"]["median"], r["byte_us"]["median"], r["prefill_us"]["median"], r["decode_us"]["median"],
-             r["decode_vs_copy"]) for r in out]
+             r["copy_us"]["median"], r["byte_us"]["median"], r["prefill_us"]["median"],
+             r["decode_us"]["median"], r["decode_vs_copy"]) for r in out]
     text = report.table(
         f"B2d integrity checks of one pull vs copying its KV once (host memory, Qwen3.6 "
         f"attention at TP 1), {reps} reps, medians in us",
