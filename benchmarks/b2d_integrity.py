@@ -63,7 +63,8 @@ def _measure(tokens: int, reps: int, device: str = "cpu", busy: bool = False
     p, d = _caches(blocks * 2, device), _caches(blocks * 2, device)
     p_ids, d_ids = list(range(0, blocks)), list(range(blocks, 2 * blocks))
     p_views, d_views = _views(p), _views(d)
-    index, source = torch.as_tensor(d_ids), torch.as_tensor(p_ids)
+    index = torch.as_tensor(d_ids, device=device)
+    source = torch.as_tensor(p_ids, device=device)
 
     def copy() -> None:
         for name, t in d.items():
