@@ -80,12 +80,20 @@ def test_make_transport_calls_the_named_factory_with_config_and_rank(monkeypatch
 
     from vllm_flagcx.transport.local import LocalTransport
 
+    calls = []
+
+    def make(config, rank):
+        calls.append((config, rank))
+        return LocalTransport()
+
     module = types.ModuleType("my_transports")
-    module.make = lambda config, rank: ("made", config, rank)
+    module.make = make
     monkeypatch.setitem(sys.modules, "my_transports", module)
     named = ConnectorSettings.from_extra({"transport": "flagcx",
                                           "transport_factory": "my_transports:make"})
-    assert make_transport(named, "cfg", 3, host_memory=True) == ("made", "cfg", 3)
+    made = make_transport(named, "cfg", 3, host_memory=True)
+    assert isinstance(made, LocalTransport) and calls == [("cfg", 3)]
+    made.close()
     local = make_transport(ConnectorSettings.from_extra({"transport": "local"}), "cfg", 0,
                            host_memory=True)
     assert isinstance(local, LocalTransport)

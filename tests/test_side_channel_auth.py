@@ -224,7 +224,7 @@ def test_rogue_prefill_reply_fails_the_request_no_read(reply):
     reported for recompute), and nothing is read or counted as received."""
     port = pd.free_port()
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
-    honest = pd.build_instance("kv_producer", 1, port + 20, model="dense")
+    honest = pd.build_instance("kv_producer", 1, pd.free_port(), model="dense")
     context = zmq.Context.instance()
     sock = context.socket(zmq.REP)
     sock.setsockopt(zmq.LINGER, 0)

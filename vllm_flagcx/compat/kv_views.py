@@ -36,16 +36,40 @@ class AttentionView:
     def crcs(self, kernel_blocks: Sequence[int], slots: Sequence[int],
              local_heads: Sequence[int]) -> list[int]:
         """crc32 of each (kernel block, slot, local head) element vector, K then V."""
-        import torch
+        return crcs_batched([(self, kernel_blocks, slots, local_heads)])[0]
 
-        device = self.parts[0].device
-        with _side_stream(device):
-            index = [torch.as_tensor(list(v), dtype=torch.long, device=device)
-                     for v in (kernel_blocks, slots, local_heads)]
-            rows = torch.cat([p[index[0], index[1], index[2]].reshape(len(slots), -1)
-                              for p in self.parts], dim=1)
-            raw = rows.contiguous().cpu().view(torch.uint8).numpy()
-        return [zlib.crc32(row.tobytes()) for row in raw]
+
+Lookup = tuple[AttentionView, Sequence[int], Sequence[int], Sequence[int]]
+
+
+def crcs_batched(lookups: Sequence[Lookup]) -> list[list[int]]:
+    """``AttentionView.crcs`` of several layers at once: on a GPU one host-to-device copy
+    of every index and one device-to-host copy of every element read (measured on an
+    H200: 4 layers one by one cost ~0.7 ms, mostly the 16 synchronizing copies)."""
+    import torch
+
+    if not lookups:
+        return []
+    device = lookups[0][0].parts[0].device
+    with _side_stream(device):
+        flat = [int(x) for _, b, s, h in lookups for x in (*b, *s, *h)]
+        index = torch.as_tensor(flat, dtype=torch.long).to(device)
+        chunks, pos = [], 0
+        for view, _, slots, _ in lookups:
+            n = len(slots)
+            b, s, h = index[pos:pos + n], index[pos + n:pos + 2 * n], index[pos + 2 * n:
+                                                                            pos + 3 * n]
+            pos += 3 * n
+            rows = torch.cat([p[b, s, h].reshape(n, -1) for p in view.parts], dim=1)
+            chunks.append(rows.contiguous().view(torch.uint8).reshape(-1))
+        raw = torch.cat(chunks).cpu().numpy()
+    out, offset = [], 0
+    for (_, _, slots, _), chunk in zip(lookups, chunks, strict=True):
+        width = int(chunk.numel()) // max(1, len(slots))
+        out.append([zlib.crc32(raw[offset + i * width:offset + (i + 1) * width].tobytes())
+                    for i in range(len(slots))])
+        offset += int(chunk.numel())
+    return out
 
 
 _STREAMS: dict[Any, Any] = {}

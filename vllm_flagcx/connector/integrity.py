@@ -97,11 +97,18 @@ def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
 LogicalEntry = tuple[str, int, int, int, int]  # (layer, receiver block, token, head, crc)
 
 
-def _local(view: Any, keys: list[tuple[int, int, int]], first_head: int) -> list[int]:
-    """crcs of (logical block, token, global head) elements of one layer's view."""
-    located = [logical.locate(b, t, view.ratio, view.kernel_block_size) for b, t, _ in keys]
-    return view.crcs([k for k, _ in located], [s for _, s in located],
-                     [h - first_head for _, _, h in keys])
+def _local(layers: list[tuple[Any, list[tuple[int, int, int]], int]]) -> list[list[int]]:
+    """Per (view, [(logical block, token, global head)], first head of this rank): the
+    crcs of those elements, all layers read at once (``kv_views.crcs_batched``)."""
+    from vllm_flagcx.compat.kv_views import crcs_batched
+
+    lookups = []
+    for view, keys, first_head in layers:
+        located = [logical.locate(b, t, view.ratio, view.kernel_block_size)
+                   for b, t, _ in keys]
+        lookups.append((view, [k for k, _ in located], [s for _, s in located],
+                        [h - first_head for _, _, h in keys]))
+    return crcs_batched(lookups)
 
 
 def logical_sample(views: dict[str, Any], sender_ids: list[list[int]],
@@ -118,14 +125,14 @@ def logical_sample(views: dict[str, Any], sender_ids: list[list[int]],
     mine = head_range(rank, tp, global_heads)
     heads = logical.shared_heads(mine, head_range(peer_rank, peer_tp, global_heads))
     picked = logical.sample_keys(facts, pairs, heads)
-    out: list[LogicalEntry] = []
-    for name in dict.fromkeys(k.layer for k, _ in picked):
-        rows = [(k, s) for k, s in picked if k.layer == name]
-        first = head_range(rank, tp, views[name].facts.global_heads)[0]
-        crcs = _local(views[name], [(s, k.token, k.head) for k, s in rows], first)
-        out += [(k.layer, k.block, k.token, k.head, c) for (k, _), c in zip(rows, crcs,
-                                                                           strict=True)]
-    return tuple(out)
+    names = list(dict.fromkeys(k.layer for k, _ in picked))
+    rows = {name: [(k, s) for k, s in picked if k.layer == name] for name in names}
+    crcs = _local([(views[name], [(s, k.token, k.head) for k, s in rows[name]],
+                    head_range(rank, tp, views[name].facts.global_heads)[0])
+                   for name in names])
+    return tuple((k.layer, k.block, k.token, k.head, c)
+                 for name, layer_crcs in zip(names, crcs, strict=True)
+                 for (k, _), c in zip(rows[name], layer_crcs, strict=True))
 
 
 def logical_mismatch(views: dict[str, Any], entries: list[LogicalEntry],
@@ -141,11 +148,14 @@ def logical_mismatch(views: dict[str, Any], entries: list[LogicalEntry],
     refusal = logical.refuse_keys(keys, facts, block_ids, own)
     if refusal is not None:
         return refusal
-    for name in dict.fromkeys(k.layer for k in keys):
-        rows = [(k, int(e[4])) for k, e in zip(keys, entries, strict=True) if k.layer == name]
-        first = head_range(rank, tp, views[name].facts.global_heads)[0]
-        got = _local(views[name], [(k.block, k.token, k.head) for k, _ in rows], first)
-        for (key, want), have in zip(rows, got, strict=True):
+    names = list(dict.fromkeys(k.layer for k in keys))
+    rows = {name: [(k, int(e[4])) for k, e in zip(keys, entries, strict=True)
+                   if k.layer == name] for name in names}
+    got = _local([(views[name], [(k.block, k.token, k.head) for k, _ in rows[name]],
+                   head_range(rank, tp, views[name].facts.global_heads)[0])
+                  for name in names])
+    for name, layer_got in zip(names, got, strict=True):
+        for (key, want), have in zip(rows[name], layer_got, strict=True):
             if want != have:
                 return (f"logical integrity check failed at {key.layer} block {key.block} "
                         f"token {key.token} KV head {key.head}: decode holds other data than "

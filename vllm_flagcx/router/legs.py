@@ -74,6 +74,19 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     return out
 
 
+def json_object(response: httpx.Response, leg: str, url: str) -> dict[str, Any]:
+    """A 200 answer's JSON object; LegError 502 naming the leg when it is anything else
+    (garbage from an upstream is that upstream's failure, not the router's 500)."""
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise LegError(502, leg, url, "answered HTTP 200 with a body that is not a JSON "
+                       f"object: {response.text[:200]!r}")
+    return answer
+
+
 def upstream_error(response: httpx.Response) -> Any:
     """An upstream's error body as the client will see it (JSON, else the start of the
     text)."""

@@ -31,6 +31,7 @@ from vllm_flagcx.router.legs import (
     LegError,
     RouterSettings,
     decode_body,
+    json_object,
     prefill_body,
     sse_error,
     upstream_error,
@@ -85,13 +86,10 @@ class Proxy:
                            f"answered HTTP {response.status_code}",
                            upstream_error(response))
         try:
-            answer = response.json()
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
+            answer = json_object(response, "prefill", instance.url)
+        except LegError:
             instance.failed += 1
-            raise LegError(502, "prefill", instance.url, "answered HTTP 200 with a body that "
-                           f"is not a JSON object: {response.text[:200]!r}")
+            raise
         instance.served += 1
         params = answer.get("kv_transfer_params")
         if not params:
