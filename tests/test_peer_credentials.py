@@ -120,3 +120,30 @@ def test_another_uid_gets_nothing_without_a_secret():
                           hs.HandshakeReply)  # this uid still is served
     finally:
         p.shutdown()
+
+
+def test_netlink_and_the_proc_table_name_the_same_owner():
+    """The fast path (sock_diag) must agree with the table it replaces, and a request is
+    read back as the kernel's header says (``linux/inet_diag.h``)."""
+    from vllm_flagcx.connector import sock_diag
+
+    server, peer, conn = _loopback_pair()
+    try:
+        remote, local = pc.connection_of(conn.fileno())
+        fast = sock_diag.tcp_socket_owner(remote, local)
+        if fast is None:
+            pytest.skip("NETLINK_SOCK_DIAG is not available here")
+        slow = pc.loopback_owner(remote, local, proc=pc.PROC + "/self/..")
+        assert slow is not None and (fast.uid, fast.inode) == (slow.uid, slow.inode)
+        assert fast.inode == os.fstat(peer.fileno()).st_ino
+        assert sock_diag.tcp_socket_owner(remote, ("127.0.0.1", 1)) is None
+    finally:
+        for s in (peer, conn, server):
+            s.close()
+    message = sock_diag.request_bytes(("127.0.0.1", 0x1234), ("127.0.0.1", 0x5678))
+    assert len(message) == 16 + 8 + 48
+    assert message[16] == socket.AF_INET and message[17] == socket.IPPROTO_TCP
+    assert message[24:28] == bytes.fromhex("12345678")
+    assert sock_diag.parse_reply(b"\x00" * 8) is None
+    with pytest.raises(ValueError):
+        sock_diag.request_bytes(("127.0.0.1", 1), ("::1", 2))

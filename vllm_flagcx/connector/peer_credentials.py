@@ -3,8 +3,9 @@
 Why: loopback TCP checks no user. Without a secret, any local user could pull (making
 prefill ``process_vm_writev`` into a process of its choosing, as prefill's user), release
 or read the sheet; with one, any holder of the secret could name another process's pid in
-its transport description. The kernel knows both answers: ``/proc/net/tcp{,6}`` lists
-each socket's owner uid and inode, and ``/proc/<pid>/fd`` which process holds an inode.
+its transport description. The kernel knows both answers: ``sock_diag`` (netlink) or
+``/proc/net/tcp{,6}`` give each socket's owner uid and inode, and ``/proc/<pid>/fd``
+which process holds an inode.
 
 * ``connection_of(fd)``: the (peer, local) addresses of the TCP connection a ZMQ message
   came in on (``zmq.SRCFD``);
@@ -22,6 +23,8 @@ import logging
 import os
 import socket
 from typing import NamedTuple
+
+from vllm_flagcx.connector import sock_diag
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -71,8 +74,15 @@ def _hex_address(address: str, port: int) -> tuple[str, str]:
 
 def loopback_owner(peer: tuple[str, int], local: tuple[str, int], proc: str = PROC
                    ) -> Owner | None:
-    """The uid and inode of the peer's end of a loopback TCP connection (the line whose
-    local address is ``peer`` and remote address ``local``); None when not found."""
+    """The uid and inode of the peer's end of a loopback TCP connection (the socket whose
+    local address is ``peer`` and remote address ``local``); None when not found.
+
+    The kernel is asked by netlink first (microseconds); ``/proc/net/tcp{,6}`` is read
+    (milliseconds) only where that fails, or when ``proc`` names another tree."""
+    if proc == PROC:
+        found = sock_diag.tcp_socket_owner(peer, local)
+        if found is not None:
+            return Owner(found.uid, found.inode)
     table, peer_hex = _hex_address(*peer)
     _, local_hex = _hex_address(*local)
     try:
