@@ -71,7 +71,7 @@ def render_tox() -> str:
         "commands_pre =",
         f"    python matrix/ensure_base.py {{work_dir}}/e2e-base {e2e['requirements']}",
         "    python -m pip install --quiet --disable-pip-version-check --no-deps -e . "
-        f"{e2e['dist']}",
+        f"{' '.join([e2e['dist'], *e2e.get('routers', [])])}",
     ]
     e2e_env = ["set_env =", "    {[testenv]set_env}", "    VLLM_FLAGCX_E2E = 1",
                f"    VLLM_FLAGCX_MATRIX_ENV = {e2e['build']}"]

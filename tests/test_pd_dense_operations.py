@@ -191,3 +191,66 @@ def test_transport_error_evicts_the_connection_and_the_next_request_reconnects()
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_decode_leg_that_never_arrives_frees_prefill_after_the_first_lease():
+    """An external router's decode leg failed before decode's engine saw it: no Release
+    comes, so prefill frees the blocks at the short first lease, not the full one. A decode
+    that has the request says so at once (its first heartbeat: vLLM's ``on_new_request``
+    where the build has it, else its first scheduling), which keeps the blocks held."""
+    from vllm_flagcx.wire.heartbeat import HeartbeatSender
+    from vllm_flagcx.wire.params import parse_remote_prefill
+
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", lease_seconds=30.0,
+                          extra={"first_lease_seconds": 0.5})
+    beats = HeartbeatSender(interval=30.0, timeout=0.5)  # no periodic round in this test
+    try:
+        records = pd.run_prefill(p, prompts=[40, 40])
+        abandoned, arrived = (rec for rec in records.values())
+        beats.watch("d-req", parse_remote_prefill(arrived["params"]))  # beaten at once
+        started = time.monotonic()
+        while p.scheduler.connector.scheduler.num_held > 1 and time.monotonic() - started < 5:
+            p.step()
+            time.sleep(0.01)
+        assert p.scheduler.connector.scheduler.num_held == 1  # the abandoned one, freed
+        assert time.monotonic() - started < 3  # the first lease, not the 30 s one
+        assert beats.sent >= 1 and p.workers[0].stats["lease_renewals"] == 1
+        assert p.workers[0].stats["expired_leases"] == 1
+        time.sleep(0.6)  # past the first lease: the one decode has stays held
+        p.step()
+        assert p.scheduler.connector.scheduler.num_held == 1
+        assert harness.blocks_in_use(p.scheduler) > 0
+        del abandoned
+    finally:
+        beats.stop()
+        p.shutdown()
+
+
+def test_decode_tells_prefill_on_arrival_where_vllm_says_a_request_arrived():
+    """vLLM 0.22+ calls ``on_new_request`` when a request enters the engine: a decode
+    request's heartbeat goes out then, before vLLM schedules it."""
+    from vllm_flagcx.compat.capabilities import capabilities
+
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          extra={"first_lease_seconds": 0.5})
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="dense")
+    try:
+        records = pd.run_prefill(p, prompts=[40])
+        rec = next(iter(records.values()))
+        req = harness.make_request(40, max_tokens=3, kv_transfer_params=dict(rec["params"]))
+        d.scheduler.add_request(req)  # not scheduled: no step runs on decode
+        beats = d.scheduler.connector.scheduler.heartbeats
+        deadline = time.monotonic() + 3
+        arrival_hook = capabilities().new_request_hook == "native"
+        while arrival_hook and not beats.sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (beats.sent >= 1) == arrival_hook
+        if arrival_hook:
+            time.sleep(0.6)
+            p.step()
+            assert p.scheduler.connector.scheduler.num_held == 1  # kept: decode has it
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -64,6 +64,19 @@ def test_heartbeats_push_the_lease():
     assert sends.expire(now=50.0) == 0
 
 
+def test_a_heartbeat_before_the_transfer_is_armed_applies_when_it_is():
+    """Decode's first word can beat the worker step that arms the transfer: it must not
+    be lost, or the short first lease ends a transfer decode is about to pull."""
+    sends = S.Sends()
+    assert sends.renew(["t1"], until=60.0) == 0
+    assert sends.arm(SendTask("r1", "t1", [[1]], deadline=10.0))
+    assert sends.expire(now=50.0) == 0
+    assert sends.expire(now=61.0) == 1
+    for i in range(S.MAX_EARLY_RENEWALS + 5):  # bounded: a flood of unknown ids
+        sends.renew([f"x{i}"], until=60.0)
+    assert len(sends._early) == S.MAX_EARLY_RENEWALS
+
+
 def test_claims_refuse_another_engine_wait_for_unknown_and_busy_writers():
     sends = _armed(max_writes=1)
     assert sends.claim("nope", "decode-a") == (S.Claim.WAIT, None)

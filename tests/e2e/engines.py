@@ -6,6 +6,9 @@ HTTP helpers the tests share. Not a stand-in: ``vllm_flagcx.demo`` starts the re
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,13 +31,13 @@ class Deployment:
 
     def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "float32",
                  engine_args: tuple[str, ...] = (), cpu_isa: str = "vec",
-                 max_model_len: int = 1024) -> None:
+                 max_model_len: int = 1024, by_name: bool = False) -> None:
         model = demo_model.write_model(workdir / "model", kind)
         self.side = rs.free_port()
         self.prefill, self.decode, self.router = demo_run.deployment(
             sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
             self.side, dtype, cpu_isa=cpu_isa, test_faults=True, engine_args=engine_args,
-            max_model_len=max_model_len)
+            max_model_len=max_model_len, by_name=by_name)
         for server in (self.prefill, self.decode):
             # the test kit quiets vLLM to WARNING in this process (testkit.cpu_platform);
             # the engines log at INFO, where the connector's start line is
@@ -49,9 +52,9 @@ class Deployment:
 
 @contextlib.contextmanager
 def deployed(workdir: Path, kind: str = "sliding", dtype: str = "float32",
-             cpu_isa: str = "vec") -> Iterator[Deployment]:
+             cpu_isa: str = "vec", by_name: bool = False) -> Iterator[Deployment]:
     """Start the pair, then the router; stop all three on the way out."""
-    d = Deployment(workdir, kind, dtype, cpu_isa=cpu_isa)
+    d = Deployment(workdir, kind, dtype, cpu_isa=cpu_isa, by_name=by_name)
     with sv.running([d.prefill, d.decode]):
         sv.wait_healthy([d.prefill, d.decode], START_TIMEOUT)
         with sv.running([d.router]):
@@ -88,13 +91,14 @@ def failures(server: sv.Server) -> float:
             + gauge(server, "vllm:flagcx_failures_recv_total"))
 
 
-def assert_pd_equals_monolithic(d: Deployment) -> None:
+def assert_pd_equals_monolithic(d: Deployment, router_url: str | None = None) -> None:
     """For every demo prompt: the router -> prefill -> decode answer equals prefill's own
     (plain vLLM, no kv_transfer_params) token for token, bytes arrived at decode, and
-    both engines end idle."""
+    both engines end idle. ``router_url``: another router in front of the same engines
+    (default: ours)."""
     for prompt in PROMPTS:
         before = demo_run.received(d.decode)
-        via_pd = complete(d.router.url, prompt)
+        via_pd = complete(router_url or d.router.url, prompt)
         assert via_pd.status_code == 200, via_pd.text
         moved, _ = demo_run.transfer_after(d.decode, before)
         mono = complete(d.prefill.url, prompt)
@@ -102,6 +106,26 @@ def assert_pd_equals_monolithic(d: Deployment) -> None:
         assert moved > 0, f"nothing arrived at decode for {prompt[:30]!r}"
     wait_idle(d.prefill)
     wait_idle(d.decode)
+
+
+def bench_serve(base_url: str, model: Path, num_prompts: int = 20) -> dict:
+    """``vllm bench serve`` (random 64 in / 8 out, 4 at a time) against ``base_url``; its
+    summary (``compat.bench``'s BENCH_SUMMARY line)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_flagcx.compat.bench", "--base-url", base_url,
+         "--endpoint", "/v1/completions", "--model", str(model),
+         "--served-model-name", "demo", "--dataset-name", "random",
+         "--random-input-len", "64", "--random-output-len", "8",
+         "--num-prompts", str(num_prompts), "--request-rate", "inf",
+         "--max-concurrency", "4", "--num-warmups", "0",
+         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+         "--seed", "0"], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BENCH_SUMMARY ")),
+                None)
+    assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(line.split(" ", 1)[1])
 
 
 def distinct_outputs(d: Deployment) -> int:

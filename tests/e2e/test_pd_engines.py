@@ -21,6 +21,7 @@ from engines import (
     PROMPTS,
     assert_corrupted_kv_changes_the_answer,
     assert_pd_equals_monolithic,
+    bench_serve,
     complete,
     deployed,
     distinct_outputs,
@@ -82,23 +83,10 @@ def test_chat_completions_through_the_router(pd):
 
 
 def test_vllm_bench_serve_through_the_router(pd, capsys):
-    out = subprocess.run(
-        [sys.executable, "-m", "vllm_flagcx.compat.bench", "--base-url", pd.router.url,
-         "--endpoint", "/v1/completions", "--model", str(pd.model),
-         "--served-model-name", "demo", "--dataset-name", "random",
-         "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", "20",
-         "--request-rate", "inf", "--max-concurrency", "4", "--num-warmups", "0",
-         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-         "--seed", "0"], capture_output=True, text=True, timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BENCH_SUMMARY ")),
-                None)
-    assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
-    summary = json.loads(line.split(" ", 1)[1])
+    summary = bench_serve(pd.router.url, pd.model)
     with capsys.disabled():  # the summary belongs in the CI log
         print(f"\nvllm bench serve through the router: {json.dumps(summary)}")
     assert summary["failed"] == 0 and summary["completed"] == 20
-    assert out.returncode == 0
 
 
 def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd, capsys):

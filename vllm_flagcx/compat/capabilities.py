@@ -45,6 +45,10 @@ class Capabilities:
         return cast("Literal['native', 'absent']", _label("handshake_pp_aware"))
 
     @cached_property
+    def new_request_hook(self) -> Literal["native", "absent"]:
+        return cast("Literal['native', 'absent']", _label("new_request_hook"))
+
+    @cached_property
     def attn_backend_block_size(self) -> Literal["parameter", "absent"]:
         return cast("Literal['parameter', 'absent']", _label("attn_backend_block_size"))
 

@@ -278,6 +278,12 @@ def _handshake_pp_aware() -> str:
     return "native" if hasattr(base, "set_xfer_handshake_metadata_pp_aware") else ABSENT
 
 
+def _new_request_hook() -> str:
+    """Does the scheduler tell the connector when a request enters the engine (0.22+)?"""
+    base = resolve("KVConnectorBase_V1")
+    return "native" if hasattr(base, "on_new_request") else ABSENT
+
+
 @dataclass(frozen=True)
 class FeatureProbe:
     key: str
@@ -296,6 +302,9 @@ FEATURES: tuple[FeatureProbe, ...] = (
                  "prefer_cross_layer_blocks (class attribute or property; gone in 0.34)"),
     FeatureProbe("handshake_pp_aware", "connector", _handshake_pp_aware, False,
                  "set_xfer_handshake_metadata_pp_aware (0.34)"),
+    FeatureProbe("new_request_hook", "connector", _new_request_hook, False,
+                 "on_new_request(request) (0.22+; decode's first heartbeat is sent at "
+                 "arrival, else at first scheduling)"),
     FeatureProbe("attn_backend_block_size", "attention", _attn_backend_block_size, False,
                  "get_attn_backend(block_size=...) (dropped in 0.18)"),
     FeatureProbe("current_attn_backends", "attention", _current_attn_backends, True,

@@ -128,7 +128,8 @@ class FlagCXConnector(PortableConnectorBase):
                 engine_id=self.engine_id,
                 side_channel_host=self.settings.side_channel_host,
                 side_channel_port=self.side_channel_port, tp_size=self.tp_size,
-                lease_seconds=self.settings.lease_seconds, key=self._key),
+                lease_seconds=self.settings.lease_seconds,
+                first_lease_seconds=self.settings.initial_lease, key=self._key),
                 kv_cache_config, recovery)
             if (bool(ktc.is_kv_consumer) and self.scheduler.has_sliding
                     and recovery.mode is None):
@@ -150,11 +151,12 @@ class FlagCXConnector(PortableConnectorBase):
 
     # ---------------------------------------------------------------- scheduler side
     def on_new_request(self, request: Any) -> None:
-        """vLLM 0.34+ calls this first for a new request, before its own code reads
-        ``kv_transfer_params`` as a mapping: non-object params (reachable through
-        ``vllm_xargs``) are dropped here with a warning instead of crashing the engine."""
+        """vLLM 0.22+ calls this first for a new request (0.34: before its own code reads
+        ``kv_transfer_params`` as a mapping): non-object params (reachable through
+        ``vllm_xargs``) are dropped here with a warning instead of crashing the engine, and
+        a decode request tells its prefill at once that it arrived (``first_lease_seconds``)."""
         if self.scheduler is not None:
-            self.scheduler.sanitize_params(request)
+            self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

@@ -10,7 +10,10 @@ Prefill side (``do_remote_decode``): a Mamba model's request is truncated by one
 expired, and the returned ``kv_transfer_params`` carry what decode needs.
 
 A decode request aborted before its KV arrived sends a release to prefill, so prefill frees
-its blocks now instead of at lease expiry.
+its blocks now instead of at lease expiry. Prefill's first lease is short
+(``first_lease_seconds``): decode's heartbeat on the request's arrival extends it, so a
+decode leg that never reached decode (an external router's failed leg) frees the blocks
+soon, with no Release from anyone.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class SchedulerSettings:
     side_channel_port: int
     tp_size: int
     lease_seconds: float = 30.0
+    first_lease_seconds: float = 30.0  # until decode's first word (ConnectorSettings)
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
 
@@ -140,8 +144,13 @@ class SchedulerHalf:
                                           key=settings.key)
 
     # -------------------------------------------------------------------- decode side
-    def sanitize_params(self, request: Any) -> None:
-        self._params(request)
+    def on_new_request(self, request: Any) -> None:
+        """A request entered the engine (vLLM 0.22+). Decode: its prefill hears at once that
+        decode has it (a heartbeat), which turns prefill's short first lease into the full
+        one; builds without this hook send it when vLLM first schedules the request."""
+        remote = self._remote(request)
+        if remote is not None:
+            self.heartbeats.watch(request.request_id, remote)
 
     def _params(self, request: Any) -> Mapping[str, Any]:
         """The request's ``kv_transfer_params`` when they are an object; anything else
@@ -261,7 +270,7 @@ class SchedulerHalf:
         if not any(ids):
             return False, out
         task = SendTask(request.request_id, transfer_id, ids,
-                        time.monotonic() + self.settings.lease_seconds)
+                        time.monotonic() + self.settings.first_lease_seconds)
         self._armed[request.request_id] = task
         self._held_ids.add(transfer_id)
         self._pending.send[request.request_id] = task

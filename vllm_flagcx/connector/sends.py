@@ -30,6 +30,7 @@ from vllm_flagcx.connector.scheduler import SendTask
 MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
 MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
 MAX_RELEASE_WAITERS = 16
+MAX_EARLY_RENEWALS = 4096  # heartbeats for transfers not armed yet, applied at arm
 
 
 @dataclass
@@ -62,6 +63,10 @@ class Sends:
         self._armed: dict[str, Send] = {}  # transfer_id -> armed transfer
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer_id -> why
         self._done: set[str] = set()  # request ids vLLM may free
+        # decode's word can come before the worker's step arms the transfer (prefill
+        # answered HTTP when the request finished; the blocks reach the worker one step
+        # later): transfer_id -> lease end, applied by ``arm``
+        self._early: OrderedDict[str, float] = OrderedDict()
         self._max_writes = max_writes
         self.writes_in_flight = 0
 
@@ -75,16 +80,27 @@ class Sends:
             if task.transfer_id in self._armed:
                 self._done.add(task.request_id)
                 return False
+            early = self._early.pop(task.transfer_id, None)
+            if early is not None and task.deadline < early:
+                task.deadline = early
             self._armed[task.transfer_id] = Send(task)
             return True
 
     def renew(self, transfer_ids: list[str], until: float) -> int:
-        """Heartbeat: push leases to ``until``; how many were pushed."""
+        """Heartbeat: push leases to ``until``; how many were pushed. An id not armed (nor
+        ended) yet is remembered (bounded) and applied when it is armed."""
         renewed = 0
         with self._lock:
             for tid in transfer_ids:
                 send = self._armed.get(tid)
-                if send is not None and send.task.deadline < until:
+                if send is None:
+                    if tid not in self._ended:
+                        self._early[tid] = until
+                        self._early.move_to_end(tid)
+                        while len(self._early) > MAX_EARLY_RENEWALS:
+                            self._early.popitem(last=False)
+                    continue
+                if send.task.deadline < until:
                     send.task.deadline = until
                     renewed += 1
         return renewed

@@ -86,6 +86,7 @@ KEYS: dict[str, Callable[[str, Any], Any]] = {
     "side_channel_bind": _text,
     "side_channel_port": _port,
     "lease_seconds": _seconds,
+    "first_lease_seconds": _seconds,
     "recv_timeout": _seconds,
     "handshake_timeout": _seconds,
     "write_start_timeout": _seconds,
@@ -136,6 +137,10 @@ class ConnectorSettings:
     side_channel_bind: str | None = None  # None: side_channel_host
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
     lease_seconds: float = 30.0
+    # P: a finished request's blocks are held this long until decode shows it has the
+    # request (its first heartbeat or pull), then ``lease_seconds``: a decode leg that never
+    # reaches decode (an external router's failed leg) frees them this soon
+    first_lease_seconds: float = 10.0
     recv_timeout: float | None = None  # None: lease_seconds + 10
     handshake_timeout: float = 10.0  # 5 s once ran out behind a CPU-starved prefill
     # P: a write still queued this long after its pull was claimed is not started
@@ -153,6 +158,11 @@ class ConnectorSettings:
         checked = checked_extra_config(extra)
         known = {k: v for k, v in checked.items() if k in KEYS}
         return cls(**known, raw=checked)
+
+    @property
+    def initial_lease(self) -> float:
+        """How long prefill holds a finished request's blocks before decode's first word."""
+        return min(self.first_lease_seconds, self.lease_seconds)
 
     @property
     def bind_host(self) -> str:

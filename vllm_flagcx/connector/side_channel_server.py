@@ -230,6 +230,8 @@ class SideChannelServer(SideChannelWrites):
         """Claim first (``parked`` says why): a pull for an armed transfer is written or
         answered now; only one that must wait is parked, within the parking caps."""
         now = time.monotonic()
+        # a pull is decode's word that it has the request: the full lease from here on
+        self.sends.renew([pull.transfer_id], now + self.settings.lease_seconds)
         answer = self._try_claim(ident, pull, now)
         if answer is not False:
             return answer

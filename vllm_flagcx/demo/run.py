@@ -34,16 +34,20 @@ PROMPTS = (
 )
 
 
-def kv_config(role: str, side_channel_port: int, test_faults: bool = False
-              ) -> dict[str, Any]:
+def kv_config(role: str, side_channel_port: int, test_faults: bool = False,
+              by_name: bool = False) -> dict[str, Any]:
     """``test_faults``: decode honours ``kv_transfer_params.flagcx_test_fault`` (the e2e
-    tests' negative controls; ``connector.fault_knobs``)."""
+    tests' negative controls; ``connector.fault_knobs``). ``by_name``: the connector is
+    found by its registered name alone (the ``vllm.general_plugins`` entry point), as a
+    user who copies the design note's JSON has it; else by module path (every build)."""
     extra: dict[str, Any] = {"transport": "local", "side_channel_port": side_channel_port}
     if test_faults:
         extra["test_faults"] = True
-    return {"kv_connector": "FlagCXConnector", "kv_role": role,
-            "kv_connector_module_path": "vllm_flagcx.connector",
-            "kv_connector_extra_config": extra}
+    config: dict[str, Any] = {"kv_connector": "FlagCXConnector", "kv_role": role,
+                              "kv_connector_extra_config": extra}
+    if not by_name:
+        config["kv_connector_module_path"] = "vllm_flagcx.connector"
+    return config
 
 
 def metric(url: str, name: str) -> float:
@@ -84,20 +88,20 @@ def transfer_after(decode: sv.Server, before: tuple[float, float]) -> tuple[floa
 def deployment(python: str, model: Path, workdir: Path, router_port: int, prefill_port: int,
                decode_port: int, side_channel_port: int, dtype: str = "bfloat16",
                cpu_isa: str = "vec", test_faults: bool = False,
-               engine_args: tuple[str, ...] = (), max_model_len: int = 1024
-               ) -> tuple[sv.Server, sv.Server, sv.Server]:
+               engine_args: tuple[str, ...] = (), max_model_len: int = 1024,
+               by_name: bool = False) -> tuple[sv.Server, sv.Server, sv.Server]:
     """(prefill, decode, router) servers, not started. Prefix caching is off on prefill so
     its monolithic answers never reuse KV from an earlier transfer. Each engine gets its own
     half of the machine's CPUs (``servers.split_cpus``) and the same CPU kernel path
     (``servers.engine_cpu_isa_env``). ``engine_args`` go to both engines (the GPU suite's
-    ``--attention-backend``, ``--gpu-memory-utilization``)."""
+    ``--attention-backend``, ``--gpu-memory-utilization``); ``by_name``: see ``kv_config``."""
     prefill_cpus, decode_cpus = sv.split_cpus(2)
     prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
-                             kv_config("kv_producer", side_channel_port),
+                             kv_config("kv_producer", side_channel_port, by_name=by_name),
                              ["--no-enable-prefix-caching", *engine_args], cpus=prefill_cpus,
                              dtype=dtype, cpu_isa=cpu_isa, max_model_len=max_model_len)
     decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
-                            kv_config("kv_consumer", side_channel_port, test_faults),
+                            kv_config("kv_consumer", side_channel_port, test_faults, by_name),
                             list(engine_args), cpus=decode_cpus, dtype=dtype, cpu_isa=cpu_isa,
                             max_model_len=max_model_len)
     router = sv.router_server(python, router_port, workdir / "router.log", [prefill],

@@ -3,13 +3,16 @@
 A decode request can wait in decode's queue (no free blocks) long after prefill finished.
 Prefill holds its blocks only for a lease; this thread, in the decode scheduler process,
 renews the lease of every awaited transfer every ``interval`` seconds, on every prefill
-rank, until the request is allocated (then the pull itself takes over) or ends.
+rank, until the request is allocated (then the pull itself takes over) or ends. A newly
+watched transfer is beaten at once (``watch`` wakes the thread): that first word turns
+prefill's short first lease into the full one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 
 from vllm_flagcx.wire import client
@@ -27,12 +30,17 @@ class HeartbeatSender:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._awaited: dict[str, RemotePrefill] = {}  # request id -> prefill
+        self._fresh: set[str] = set()  # watched since the last round: beaten at once
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.sent = 0
 
     def watch(self, request_id: str, remote: RemotePrefill) -> None:
         with self._lock:
+            if request_id not in self._awaited:
+                self._fresh.add(request_id)
+                self._wake.set()
             self._awaited[request_id] = remote
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -42,22 +50,28 @@ class HeartbeatSender:
     def unwatch(self, request_id: str) -> None:
         with self._lock:
             self._awaited.pop(request_id, None)
+            self._fresh.discard(request_id)
 
-    def _targets(self) -> dict[tuple[str, int, int], list[str]]:
+    def _targets(self, fresh_only: bool = False) -> dict[tuple[str, int, int], list[str]]:
         with self._lock:
-            awaited = list(self._awaited.values())
+            if fresh_only:
+                awaited = [self._awaited[r] for r in self._fresh if r in self._awaited]
+            else:
+                awaited = list(self._awaited.values())
+            self._fresh.clear()
         out: dict[tuple[str, int, int], list[str]] = defaultdict(list)
         for remote in awaited:
             out[(remote.remote_host, remote.remote_port, remote.remote_tp_size)].append(
                 remote.transfer_id)
         return out
 
-    def beat_once(self) -> None:
-        """One round of heartbeats (the thread calls this every ``interval``)."""
+    def beat_once(self, fresh_only: bool = False) -> None:
+        """One round of heartbeats (the thread calls this every ``interval``, and for the
+        newly watched transfers alone as soon as they are watched)."""
         import zmq
 
         context = zmq.Context.instance()
-        for (host, port, tp), tids in self._targets().items():
+        for (host, port, tp), tids in self._targets(fresh_only).items():
             for rank in range(tp):
                 try:
                     client.ask(context, host, port + rank, hs.Heartbeat(tuple(tids)),
@@ -67,10 +81,21 @@ class HeartbeatSender:
                     logger.debug("heartbeat to %s:%d failed: %s", host, port + rank, exc)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.beat_once()
+        next_round = time.monotonic() + self.interval
+        while not self._stop.is_set():
+            woken = self._wake.wait(max(0.0, next_round - time.monotonic()))
+            if self._stop.is_set():
+                return
+            if woken:
+                self._wake.clear()
+            if time.monotonic() >= next_round:
+                self.beat_once()
+                next_round = time.monotonic() + self.interval
+            elif woken:
+                self.beat_once(fresh_only=True)
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.timeout + self.interval)
