@@ -6,6 +6,7 @@ prefill instance in a spawned process. ``pd_harness`` re-exports these names."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,28 +26,32 @@ def step_prefill(p: Instance, steps: int = 3) -> None:
         p.step()
 
 
-def run_prefill(p: Instance, prompts: list[int], timeout: float = 30.0) -> dict[str, Any]:
-    """Prefill each prompt as the router does (max_tokens=1, a minted transfer id)."""
+def run_prefill(p: Instance, prompts: list[int], timeout: float = 30.0,
+                prefill_params: Callable[[int], dict[str, Any]] | None = None
+                ) -> dict[str, Any]:
+    """Prefill each prompt as the router does (max_tokens=1, a minted transfer id), or
+    with ``prefill_params(i)`` as the prefill leg's ``kv_transfer_params`` (another
+    router's shape); records by transfer id (the request id where none was given)."""
     records = {}
     for i, n in enumerate(prompts):
-        tid = f"xfer-{i}-{time.monotonic_ns()}"
-        req = harness.make_request(n, max_tokens=1,
-                                   kv_transfer_params={"do_remote_decode": True,
-                                                       "transfer_id": tid})
+        params = (prefill_params(i) if prefill_params is not None else
+                  {"do_remote_decode": True, "transfer_id": f"xfer-{i}-{time.monotonic_ns()}"})
+        req = harness.make_request(n, max_tokens=1, kv_transfer_params=params)
         p.scheduler.add_request(req)
+        tid = params.get("transfer_id") or req.request_id
         records[tid] = {"p_req": req.request_id, "tokens": n}
     deadline = time.monotonic() + timeout
     p_ids = {r["p_req"] for r in records.values()}
     while not p_ids <= set(finished_ids(p)) and time.monotonic() < deadline:
         p.step()
-    params = {}
+    params_by_tid = {}
     for step in p.outputs:
         for eng in step.values():
             for o in eng.outputs:
                 if o.kv_transfer_params:
-                    params[o.kv_transfer_params["transfer_id"]] = o.kv_transfer_params
+                    params_by_tid[o.kv_transfer_params["transfer_id"]] = o.kv_transfer_params
     for tid, rec in records.items():
-        rec["params"] = params.get(tid)
+        rec["params"] = params_by_tid.get(tid)
     return records
 
 

@@ -118,6 +118,9 @@ class Instance:
             self.scheduled_blocks.setdefault(new.req_id, []).append(
                 (new.num_computed_tokens, [list(g) for g in new.block_ids]))
         meta = out.kv_connector_metadata
+        children = getattr(meta, "metadata", None)  # MultiConnector: one child, ours
+        if isinstance(children, tuple) and len(children) == 1:
+            meta = children[0]
         payload = getattr(meta, "payload", None)
         if payload is not None:
             self.recv_tasks.update(payload.recv)
@@ -183,23 +186,31 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    secret_file: str | None = None, engine_id: str | None = None,
                    attn_layout: str = "flash_hnd",
                    failure_policy: str | None = None,
-                   release_hold_seconds: float = 600.0) -> Instance:
+                   release_hold_seconds: float = 600.0, multi: bool = False) -> Instance:
     """``secret_file``: the side-channel secret (wire.auth) for the scheduler (through
     the extra config) and the workers. ``failure_policy``: vLLM's
-    ``kv_load_failure_policy`` where this build has it (None: the build's default)."""
+    ``kv_load_failure_policy`` where this build has it (None: the build's default).
+    ``multi``: the scheduler's connector is vLLM's MultiConnector holding FlagCXConnector
+    as its one child (how NVIDIA Dynamo takes a connector it does not name)."""
     hybrid = model == "hybrid"
     key = auth.load_key(secret_file)
     if secret_file:
         extra = {**(extra or {}), auth.SECRET_FILE_KEY: secret_file}
-    config = harness.make_vllm_config(model=harness.HYBRID_MODEL if hybrid else
-                                      harness.DENSE_MODEL, hma=True, kv_role=role,
-                                      extra_config={"side_channel_port": port,
-                                                    "lease_seconds": lease_seconds,
-                                                    **({"transport": transport} if transport
-                                                       else {"transport_factory":
-                                                             "testkit.transport_standin:factory"}),
-                                                    **(extra or {})},
-                                      prefix_caching=prefix_caching)
+    extra_config = {"side_channel_port": port, "lease_seconds": lease_seconds,
+                    **({"transport": transport} if transport else
+                       {"transport_factory": "testkit.transport_standin:factory"}),
+                    **(extra or {})}
+    wrapped: dict[str, Any] = {}
+    if multi:
+        wrapped = {"connector": "MultiConnector", "module_path": None, "hma": None,
+                   "extra_config": {"connectors": [{
+                       "kv_connector": harness.CONNECTOR, "kv_role": role,
+                       "kv_connector_module_path": harness.CONNECTOR_MODULE,
+                       "kv_connector_extra_config": extra_config}]}}
+    config = harness.make_vllm_config(**{
+        "model": harness.HYBRID_MODEL if hybrid else harness.DENSE_MODEL, "hma": True,
+        "kv_role": role, "extra_config": extra_config, "prefix_caching": prefix_caching,
+        **wrapped})
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp
     if failure_policy is not None:

@@ -20,6 +20,7 @@ from vllm_flagcx.connector import fault_knobs, integrity
 from vllm_flagcx.connector.scheduler import RecvTask
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire import params as wire_params
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -104,7 +105,8 @@ class Puller:
             hs.check_compatible(self.sheet, p_sheet, skip_hash=self.settings.skip_compat_hash)
         except (hs.HandshakeError, TimeoutError, OSError) as exc:
             self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
-            self.ledger.record("handshake", task.request_id, flat, str(exc))
+            self.ledger.record("handshake", task.request_id, flat,
+                               str(exc) + wire_params.loopback_hint(remote.remote_host))
             if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
                 self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
             return

@@ -42,11 +42,31 @@ def _require(params: Mapping[str, Any], key: str, kind: type, fix: str) -> Any:
 _FROM_PREFILL = "forward the kv_transfer_params the prefill response returned, unchanged"
 
 
+CONCURRENT_REFUSAL = (
+    "kv_transfer_params.remote_bootstrap_addr: the Mooncake-style concurrent contract "
+    "(a router-minted transfer_id, prefill found through a bootstrap /query) is not "
+    "supported by FlagCXConnector; run the router in its NIXL (serial) mode, which sends "
+    "decode prefill's returned kv_transfer_params: vllm-router --kv-connector nixl (its "
+    "default), llm-d --kv-connector=nixlv2")
+
+
+def loopback_hint(host: str) -> str:
+    """What to add to a failed handshake with ``host`` when it is a loopback address:
+    prefill's default ``side_channel_host`` cannot be reached from another host."""
+    if host != "localhost" and not host.startswith(("127.", "::1", "[::1]")):
+        return ""
+    return (f"; prefill advertised the loopback address {host}: if it runs on another "
+            "host, set kv_connector_extra_config.side_channel_host on prefill to an "
+            "address this host can reach")
+
+
 def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     """Validate decode-side params (``do_remote_prefill``) from the router."""
     if not isinstance(params, Mapping):
         raise TransferParamsError(f"kv_transfer_params must be an object, got "
                                   f"{type(params).__name__}")
+    if params.get("remote_bootstrap_addr") is not None and params.get("remote_host") is None:
+        raise TransferParamsError(CONCURRENT_REFUSAL)
     transfer_id = _require(params, "transfer_id", str, _FROM_PREFILL)
     host = _require(params, "remote_host", str, _FROM_PREFILL)
     port = _require(params, "remote_port", int, _FROM_PREFILL)

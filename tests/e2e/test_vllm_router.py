@@ -1,0 +1,147 @@
+"""PD under vllm-router (the vLLM project's Rust router, from the package registry, pinned
+in matrix/builds.toml [e2e].routers), unmodified, in front of real CPU engines whose
+connector is named only by its registered name (no module path), as a user copies it.
+
+vllm-router's PD mode (``--vllm-pd-disaggregation``, its default ``nixl`` contract) sends
+the prefill leg with ``max_tokens=1`` and ``kv_transfer_params={do_remote_decode: true,
+remote_*: null}``, then the decode leg with prefill's returned params verbatim. The tests:
+PD == monolithic greedy with the KV moved and decode computing no prompt token itself (the
+negative control of the comparison runs on the same engines), ``vllm bench serve``
+through it next to our router, and a decode leg that fails under it: prefill frees the
+blocks at the first lease, not the full one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from engines import (
+    PROMPTS,
+    assert_corrupted_kv_changes_the_answer,
+    assert_pd_equals_monolithic,
+    bench_serve,
+    complete,
+    deployed,
+    gauge,
+    wait_idle,
+)
+from testkit import router_standin as rs
+
+from vllm_flagcx.connector.settings import ConnectorSettings
+from vllm_flagcx.demo import run as demo_run
+from vllm_flagcx.demo import servers as sv
+
+pytestmark = pytest.mark.skipif(os.environ.get("VLLM_FLAGCX_E2E") != "1",
+                                reason="needs the e2e env (a CPU build of vLLM)")
+
+ROUTER_START_SECONDS = 120
+
+
+def vllm_router_server(workdir, prefill: sv.Server, decode: sv.Server) -> sv.Server:
+    """vllm-router in PD mode in front of ``prefill`` and ``decode``, on loopback."""
+    beside = Path(sys.executable).with_name("vllm-router")  # this env's, first
+    exe = str(beside) if beside.exists() else shutil.which("vllm-router")
+    assert exe, "vllm-router is not installed (matrix/builds.toml [e2e].routers)"
+    port = rs.free_port()
+    return sv.Server("vllm-router", [
+        exe, "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+        "--host", sv.HOST, "--port", str(port), "--policy", "round_robin",
+        "--worker-startup-timeout-secs", "60", "--log-level", "info"],
+        port, workdir / "vllm-router.log")
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("vllm-router")
+    with deployed(workdir, by_name=True) as d:
+        router = vllm_router_server(workdir, d.prefill, d.decode)
+        with sv.running([router]):
+            sv.wait_healthy([router], ROUTER_START_SECONDS)
+            d.external = router
+            yield d
+
+
+def local_prompt_tokens(server: sv.Server) -> float:
+    """Prompt tokens the engine computed itself (vLLM's ``prompt_tokens_by_source``)."""
+    text = sv.get_text(server.url + "/metrics")
+    return sum(float(v) for v in re.findall(
+        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="local_compute"[^}]*\} (\S+)$',
+        text, re.M))
+
+
+def test_the_connector_was_found_by_name_alone(pd):
+    for server in (pd.prefill, pd.decode):
+        assert "kv_connector_module_path" not in " ".join(server.argv)
+
+
+def test_pd_under_vllm_router_equals_monolithic_with_the_kv_moved(pd, capsys):
+    before = local_prompt_tokens(pd.decode)
+    assert_pd_equals_monolithic(pd, pd.external.url)
+    computed = local_prompt_tokens(pd.decode) - before
+    # decode computes at most the last prompt token of each request (the connector loads
+    # the rest): a decode that recomputed the prompts would count hundreds here
+    assert computed <= len(PROMPTS), computed
+    rows = []
+    for prompt in PROMPTS:
+        received = demo_run.received(pd.decode)
+        via = complete(pd.external.url, prompt).json()["choices"][0]["text"]
+        moved, _ = demo_run.transfer_after(pd.decode, received)
+        mono = complete(pd.prefill.url, prompt).json()["choices"][0]["text"]
+        rows.append((prompt[:32], via == mono, int(moved)))
+    with capsys.disabled():  # the table belongs in the CI log
+        print("\nPD under vllm-router 0.1.17 vs monolithic (greedy, 16 tokens):")
+        for label, equal, moved in rows:
+            print(f"  {label!r:36} equal={equal} kv_bytes={moved}")
+    assert all(equal and moved > 0 for _, equal, moved in rows)
+
+
+def test_negative_control_on_the_same_engines(pd):
+    """The comparison above could fail: on these engines, wrong or missing KV changes the
+    answer (the fault knobs need our legs: vllm-router sends its own params)."""
+    assert_corrupted_kv_changes_the_answer(pd, PROMPTS[:2])
+
+
+def test_vllm_bench_serve_through_vllm_router_and_ours(pd, capsys):
+    theirs = bench_serve(pd.external.url, pd.model)
+    ours = bench_serve(pd.router.url, pd.model)
+    with capsys.disabled():
+        print(f"\nvllm bench serve through vllm-router: {json.dumps(theirs)}")
+        print(f"vllm bench serve through our router:  {json.dumps(ours)}")
+    for summary in (theirs, ours):
+        assert summary["failed"] == 0 and summary["completed"] == 20
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+def test_a_failed_decode_leg_frees_prefill_at_the_first_lease(pd, capsys):
+    """The decode leg fails before decode's engine sees it (max_tokens past the context:
+    vLLM refuses it at the API, after prefill's max_tokens=1 leg succeeded). No Release
+    comes from anyone; prefill frees the blocks at ``first_lease_seconds``, well before
+    ``lease_seconds``."""
+    settings = ConnectorSettings()
+    expired_before = gauge(pd.prefill, "vllm:flagcx_expired_leases_total")
+    started = time.monotonic()
+    r = httpx.post(pd.external.url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": PROMPTS[1], "max_tokens": 5000, "temperature": 0})
+    assert r.status_code >= 400, r.text[:300]
+    wait_idle(pd.prefill, timeout=settings.first_lease_seconds + 10)
+    took = time.monotonic() - started
+    deadline = time.monotonic() + 5  # the counter is reported with the freeing step
+    while (gauge(pd.prefill, "vllm:flagcx_expired_leases_total") == expired_before
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    # held, then freed by the lease (not released by anyone, not never held)
+    assert gauge(pd.prefill, "vllm:flagcx_expired_leases_total") == expired_before + 1
+    with capsys.disabled():
+        print(f"\nfailed decode leg under vllm-router: prefill idle after {took:.1f} s "
+              f"(first lease {settings.first_lease_seconds:g} s, lease "
+              f"{settings.lease_seconds:g} s)")
+    assert took < settings.lease_seconds

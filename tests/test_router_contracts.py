@@ -1,0 +1,96 @@
+"""The requests that production PD routers send, replayed against the real Scheduler.
+
+llm-d's pd-sidecar (``connector_nixlv2.go``, its default), vllm-router's PD mode, vLLM's
+toy proxy and SMG all speak the NIXL serial contract: the prefill leg carries
+``kv_transfer_params`` with ``do_remote_decode: true`` and every ``remote_*`` field null
+(no transfer id: the request id stands in), ``max_tokens=1``; the decode leg carries what
+prefill returned, verbatim. NVIDIA Dynamo names only NixlConnector, MooncakeConnector and
+MultiConnector: FlagCXConnector enters as MultiConnector's one child. The Mooncake-style
+concurrent contract (router-minted id, bootstrap address) is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
+
+from vllm_flagcx.wire import params as wire_params
+
+NIXL_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
+                "remote_engine_id": None, "remote_block_ids": None,
+                "remote_host": None, "remote_port": None}
+
+
+def _our_connector(instance):
+    connector = instance.scheduler.connector
+    children = getattr(connector, "_connectors", None)
+    return children[0] if children else connector
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["direct", "dynamo-multiconnector"])
+def test_the_nixl_serial_contract_moves_the_kv(multi):
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", multi=multi)
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="dense", multi=multi)
+    try:
+        records = pd.run_prefill(p, [40, 70], prefill_params=lambda i: dict(NIXL_PREFILL))
+        for tid, rec in records.items():
+            returned = rec["params"]
+            assert returned is not None, "max_tokens=1 must finish with params for decode"
+            assert returned["transfer_id"] == tid == rec["p_req"]  # the request id
+            # all decode needs is in the returned dict: it parses on its own
+            remote = wire_params.parse_remote_prefill(returned)
+            assert (remote.remote_host, remote.remote_port) == ("127.0.0.1", port)
+        pd.run_decode(p, d, records)  # the params verbatim, as the routers send them
+        pd.assert_attention_bytes_moved(p, d, records)
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+        assert _our_connector(d).scheduler.rejected_params == 0
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_retried_prefill_leg_leaks_nothing():
+    """llm-d retries a prefill leg on 502/503/504: the first answer is lost, its KV is
+    held with nobody to pull it. The short first lease frees it; the retry moves."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          extra={"first_lease_seconds": 0.5})
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="dense")
+    try:
+        lost = pd.run_prefill(p, [40], prefill_params=lambda i: dict(NIXL_PREFILL))
+        retried = pd.run_prefill(p, [40], prefill_params=lambda i: dict(NIXL_PREFILL))
+        assert set(lost) != set(retried)  # request ids: unique per leg
+        pd.run_decode(p, d, retried)
+        pd.assert_attention_bytes_moved(p, d, retried)
+        pd.settle(p, d, timeout=5)
+        pd.assert_idle(p)  # the lost leg's blocks too, by the first lease
+        assert sum(w.stats["expired_leases"] for w in p.workers) == 1
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_the_concurrent_contract_is_refused_by_name_and_computed_locally():
+    params = {"do_remote_prefill": True, "transfer_id": "router-minted-1",
+              "remote_bootstrap_addr": "10.0.0.5:8998", "remote_engine_id": "p0"}
+    with pytest.raises(wire_params.TransferParamsError, match=r"remote_bootstrap_addr.*nixl"):
+        wire_params.parse_remote_prefill(params)
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="dense")
+    try:
+        req = harness.make_request(40, max_tokens=2, kv_transfer_params=dict(params))
+        d.scheduler.add_request(req)
+        for _ in range(20):
+            d.step()
+        assert pd.finished_ids(d).get(req.request_id) is not None  # computed, not stuck
+        assert d.scheduler.connector.scheduler.rejected_params == 1
+    finally:
+        d.shutdown()
+
+
+def test_a_loopback_address_is_named_when_the_handshake_fails():
+    assert "side_channel_host" in wire_params.loopback_hint("127.0.0.1")
+    assert "side_channel_host" in wire_params.loopback_hint("::1")
+    assert wire_params.loopback_hint("10.1.2.3") == ""
