@@ -132,8 +132,12 @@ def test_a_failed_decode_leg_frees_prefill_at_the_first_lease(pd, capsys):
     r = httpx.post(pd.external.url + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": PROMPTS[1], "max_tokens": 5000, "temperature": 0})
     assert r.status_code >= 400, r.text[:300]
-    # prefill ran the leg (its blocks are held for a decode that never comes) ...
+    # prefill ran the leg and holds its blocks for a decode that never comes ...
     assert gauge(pd.prefill, "vllm:prompt_tokens_total") > prompts_before
+    held = gauge(pd.prefill, "vllm:kv_cache_usage_perc")
+    with capsys.disabled():
+        print(f"\nprefill KV usage right after the failed leg: {held}")
+    assert held > 0
     # ... and frees them by the first lease, with no Release from anyone
     wait_idle(pd.prefill, timeout=settings.first_lease_seconds + 10)
     took = time.monotonic() - started
