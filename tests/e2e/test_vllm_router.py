@@ -7,8 +7,9 @@ the prefill leg with ``max_tokens=1`` and ``kv_transfer_params={do_remote_decode
 remote_*: null}``, then the decode leg with prefill's returned params verbatim. The tests:
 PD == monolithic greedy with the KV moved and decode computing no prompt token itself (the
 negative control of the comparison runs on the same engines), ``vllm bench serve``
-through it next to our router, and a decode leg that fails under it: prefill frees the
-blocks at the first lease, not the full one.
+through it next to our router, a decode leg that decode refuses under it (prefill is
+released at once), and a decode leg that never comes (prefill frees the blocks at the first
+lease, not the full one).
 """
 
 from __future__ import annotations
@@ -121,28 +122,59 @@ def test_vllm_bench_serve_through_vllm_router_and_ours(pd, capsys):
     wait_idle(pd.decode)
 
 
-def test_a_failed_decode_leg_frees_prefill_at_the_first_lease(pd, capsys):
-    """The decode leg fails before decode's engine sees it (max_tokens past the context:
-    vLLM refuses it at the API, after prefill's max_tokens=1 leg succeeded). No Release
-    comes from anyone; prefill frees the blocks at ``first_lease_seconds``, well before
-    ``lease_seconds``."""
+def held_blocks(server: sv.Server) -> bool:
+    return gauge(server, "vllm:kv_cache_usage_perc") > 0
+
+
+def test_a_decode_leg_decode_refuses_releases_prefill_at_once(pd, capsys):
+    """The decode leg fails at decode's API (max_tokens past the context) after prefill's
+    max_tokens=1 leg succeeded. vLLM 0.22+ then hands the refused request to the
+    connector pre-aborted (``notify_kv_transfer_request_rejected``); decode's connector
+    sends prefill a Release, and prefill frees the blocks at once: no lease expires."""
     settings = ConnectorSettings()
     prompts_before = gauge(pd.prefill, "vllm:prompt_tokens_total")
+    expired_before = gauge(pd.prefill, "vllm:flagcx_expired_leases_total")
     started = time.monotonic()
     r = httpx.post(pd.external.url + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": PROMPTS[1], "max_tokens": 5000, "temperature": 0})
     assert r.status_code >= 400, r.text[:300]
-    # prefill ran the leg and holds its blocks for a decode that never comes ...
-    assert gauge(pd.prefill, "vllm:prompt_tokens_total") > prompts_before
-    held = gauge(pd.prefill, "vllm:kv_cache_usage_perc")
-    with capsys.disabled():
-        print(f"\nprefill KV usage right after the failed leg: {held}")
-    assert held > 0
-    # ... and frees them by the first lease, with no Release from anyone
-    wait_idle(pd.prefill, timeout=settings.first_lease_seconds + 10)
+    assert gauge(pd.prefill, "vllm:prompt_tokens_total") > prompts_before  # prefill ran it
+    wait_idle(pd.prefill, timeout=settings.first_lease_seconds - 2)
     took = time.monotonic() - started
     with capsys.disabled():
-        print(f"\nfailed decode leg under vllm-router: prefill idle after {took:.1f} s "
-              f"(first lease {settings.first_lease_seconds:g} s, lease "
-              f"{settings.lease_seconds:g} s)")
-    assert took < settings.lease_seconds
+        print(f"\ndecode refused the leg under vllm-router: prefill idle after {took:.1f} s "
+              f"(first lease {settings.first_lease_seconds:g} s)")
+    assert gauge(pd.prefill, "vllm:flagcx_expired_leases_total") == expired_before
+
+
+def test_a_decode_leg_that_never_comes_frees_prefill_at_the_first_lease(pd, capsys):
+    """The router dies (or drops the request) between the legs: prefill's leg in the exact
+    shape vLLM-router sends, then nothing. No Release comes from anyone; prefill holds the
+    blocks until ``first_lease_seconds`` and frees them by lease expiry (its own counter),
+    well before ``lease_seconds``."""
+    settings = ConnectorSettings()
+    expired_before = gauge(pd.prefill, "vllm:flagcx_expired_leases_total")
+    started = time.monotonic()
+    r = httpx.post(pd.prefill.url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": PROMPTS[1], "max_tokens": 1, "min_tokens": 1,
+        "stream": False, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                               "remote_engine_id": None, "remote_block_ids": None,
+                               "remote_host": None, "remote_port": None}})
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["kv_transfer_params"]["do_remote_prefill"] is True
+    # the blocks show as used once the finishing step's stats are recorded
+    while not held_blocks(pd.prefill):
+        assert time.monotonic() < started + 5, "prefill never reported the held blocks"
+        time.sleep(0.1)
+    deadline = started + settings.lease_seconds
+    while gauge(pd.prefill, "vllm:flagcx_expired_leases_total") <= expired_before:
+        assert held_blocks(pd.prefill), "prefill freed the blocks with no lease expiry"
+        assert time.monotonic() < deadline, "prefill's lease did not expire by lease_seconds"
+        time.sleep(0.2)
+    took = time.monotonic() - started
+    with capsys.disabled():
+        print(f"\nno decode leg: prefill's lease expired after {took:.1f} s (first lease "
+              f"{settings.first_lease_seconds:g} s, lease {settings.lease_seconds:g} s)")
+    assert settings.first_lease_seconds - 1 <= took < settings.lease_seconds
+    wait_idle(pd.prefill)
