@@ -225,3 +225,54 @@ def test_the_class_switch_reaches_the_engine_and_the_processes_it_spawns(tmp_pat
     assert out.returncode == 0, out.stderr[-2000:]
     hidden = str(sv.CPU_CLASS_PATH / "sitecustomize.py")
     assert out.stdout.count(f"('{hidden}', False, False, False)") == 2, out.stdout
+
+
+# A server-shaped process that dies of vLLM's port race while ``fail_times`` has not run
+# out (a counter file), then serves /health.
+RACER = textwrap.dedent("""
+    import http.server, sys
+    from pathlib import Path
+    counter, fail_times = Path(sys.argv[1]), int(sys.argv[2])
+    port, line = int(sys.argv[3]), sys.argv[4]
+    runs = int(counter.read_text()) if counter.exists() else 0
+    counter.write_text(str(runs + 1))
+    if runs < fail_times:
+        print(line, flush=True)
+        sys.exit(1)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+RACE_LINE = ("torch.distributed.DistNetworkError: The server socket has failed to listen on "
+             "any local network address. port: 44309, code: -98, name: EADDRINUSE")
+
+
+def racer(tmp_path: Path, fail_times: int, line: str = RACE_LINE) -> sv.Server:
+    from testkit.router_standin import free_port
+
+    port = free_port()
+    return sv.Server("racer", [sys.executable, "-c", RACER, str(tmp_path / "runs"),
+                               str(fail_times), str(port), line], port,
+                     tmp_path / "racer.log")
+
+
+def test_a_server_that_lost_vllms_port_race_is_started_again(tmp_path):
+    server = racer(tmp_path, fail_times=1)
+    with sv.running([server]):
+        sv.wait_healthy([server], timeout=30)
+    assert (tmp_path / "runs").read_text() == "2"
+
+
+@pytest.mark.parametrize("fail_times,line", [
+    (3, RACE_LINE),  # the race every time: bounded
+    (1, "RuntimeError: No available memory for the cache blocks"),  # not the race: never
+])
+def test_other_start_failures_and_endless_races_are_not_retried(tmp_path, fail_times, line):
+    server = racer(tmp_path, fail_times, line)
+    with sv.running([server]), pytest.raises(sv.DemoError, match="racer exited with 1"):
+        sv.wait_healthy([server], timeout=30)
+    runs = int((tmp_path / "runs").read_text())
+    assert runs == (1 + sv.PORT_RACE_RESTARTS if "EADDRINUSE" in line else 1)

@@ -226,19 +226,51 @@ def router_server(python: str, port: int, log: Path, prefill: list[Server],
     return Server("router", argv, port, log)
 
 
+# vLLM picks its internal ports (torch.distributed's store, ZMQ) by binding port 0 and
+# letting go; two engines starting at once can be handed the same one and one dies with
+# EADDRINUSE. That start is retried (a bounded number of times); nothing else is.
+PORT_RACE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+PORT_RACE_RESTARTS = 2
+
+
+def lost_a_port_race(server: Server, restarts_so_far: int) -> bool:
+    """The server died of vLLM's port race (its log says so since the last start)."""
+    try:
+        tail = server.log.read_bytes()[-2_000_000:].decode(errors="replace")
+    except OSError:
+        return False
+    since_start = tail.split(RESTART_MARK)[-1] if restarts_so_far else tail
+    return bool(PORT_RACE.search(since_start))
+
+
+RESTART_MARK = "\n=== vllm-flagcx: restarted after a port race ===\n"
+
+
 def wait_healthy(servers: list[Server], timeout: float,
                  progress: Callable[[str], None] | None = None) -> float:
-    """Block until every server answers /health; DemoError when one exits or time is up."""
+    """Block until every server answers /health; DemoError when one exits or time is up.
+    A server that died of vLLM's own port race is restarted, at most
+    ``PORT_RACE_RESTARTS`` times."""
     started = time.monotonic()
+    restarts: dict[str, int] = {}
     while True:
         elapsed = time.monotonic() - started
         pending = [s for s in servers if not s.healthy()]
         if not pending:
             return elapsed
         for s in pending:
-            if not s.alive():
-                raise DemoError(f"{s.name} exited with {s.proc.returncode if s.proc else '?'}"
-                                f" while starting: {s.first_error()}\n  full log: {s.log}")
+            if s.alive():
+                continue
+            done = restarts.get(s.name, 0)
+            if done < PORT_RACE_RESTARTS and lost_a_port_race(s, done):
+                restarts[s.name] = done + 1
+                stop_all([s], grace=2)
+                with s.log.open("a") as log:
+                    log.write(RESTART_MARK)
+                s.start()
+                continue
+            raise DemoError(f"{s.name} exited with {s.proc.returncode if s.proc else '?'}"
+                            f" while starting: {s.first_error()}\n  full log: {s.log}")
         if elapsed > timeout:
             raise DemoError(f"{', '.join(s.name for s in pending)} not healthy after "
                             f"{timeout:.0f} s; see {pending[0].log}")
