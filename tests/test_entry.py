@@ -41,29 +41,6 @@ def test_scheduler_side_rejects_malformed_params_by_computing_locally():
     assert scheduler.connector.scheduler.rejected_params == 1
 
 
-def test_prom_metrics_count_per_engine():
-    import prometheus_client
-
-    registry = prometheus_client.CollectorRegistry()
-
-    def counter(**kw):
-        return prometheus_client.Counter(registry=registry, **kw)
-
-    types = {prometheus_client.Counter: counter, prometheus_client.Gauge: None,
-             prometheus_client.Histogram: None}
-    metrics = FlagCXConnector.build_prom_metrics(harness.make_vllm_config(), types,
-                                                 ["model_name", "engine"],
-                                                 {0: ["m", "0"], 1: ["m", "1"]})
-    metrics.observe({"send_bytes": 4096, "failures_recv": 2}, engine_idx=1)
-    metrics.observe({"send_bytes": 1024}, engine_idx=1)
-    assert registry.get_sample_value("vllm:flagcx_sent_bytes_total",
-                                     {"model_name": "m", "engine": "1"}) == 5120
-    assert registry.get_sample_value("vllm:flagcx_failures_recv_total",
-                                     {"model_name": "m", "engine": "1"}) == 2
-    assert registry.get_sample_value("vllm:flagcx_sent_bytes_total",
-                                     {"model_name": "m", "engine": "0"}) == 0
-
-
 def test_transport_selection_by_name(monkeypatch):
     monkeypatch.delenv("FLAGCX_LIB_PATH", raising=False)
     monkeypatch.delenv("FLAGCX_PATH", raising=False)

@@ -87,10 +87,38 @@ def test_stats_count_bytes_and_failures():
         merged = SummedConnectorStats(dict(sent)).aggregate(SummedConnectorStats(
             {"send_bytes": 1}))
         assert merged.reduce()["send_bytes"] == sent["send_bytes"] + 1
-        assert d.workers[0].take_stats()["recv_requests"] == 1
+        received = d.workers[0].take_stats()
+        assert received["recv_requests"] == 1
+        # the histograms' samples: one per request, NIXL's semantics (wire.metrics)
+        assert received["transfer_bytes"] == [received["recv_bytes"]] == [sent["send_bytes"]]
+        assert received["transfer_descriptors"] == [sent["send_descriptors"]]
+        assert len(received["transfer_seconds"]) == 1 and received["transfer_seconds"][0] > 0
+        assert len(received["handshake_seconds"]) == 1  # first contact with this prefill
+        assert "pending_pulls" not in received  # never in flight at a report: not news
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_prefill_reports_what_it_holds_until_it_is_freed():
+    """``pending_sends`` while prefill holds a request's KV for decode, 0 once when freed
+    (here by the first lease), then nothing."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          extra={"first_lease_seconds": 0.3})
+    try:
+        pd.run_prefill(p, prompts=[40])
+        p.step()  # the worker arms the transfer
+        assert p.workers[0].take_stats()["pending_sends"] == 1
+        started = time.monotonic()
+        while p.scheduler.connector.scheduler.num_held and time.monotonic() - started < 5:
+            p.step()
+            time.sleep(0.05)
+        report = p.workers[0].take_stats()
+        assert report["pending_sends"] == 0 and report["expired_leases"] == 1
+        assert "pending_sends" not in p.workers[0].take_stats()
+    finally:
+        p.shutdown()
 
 
 def test_decode_heartbeats_keep_the_prefill_lease():

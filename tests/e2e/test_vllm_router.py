@@ -85,8 +85,13 @@ def test_the_connector_was_found_by_name_alone(pd):
 
 def test_pd_under_vllm_router_equals_monolithic_with_the_kv_moved(pd, capsys):
     before = local_prompt_tokens(pd.decode)
+    pulls_before = gauge(pd.decode, "vllm:flagcx_transfer_seconds_count")
     assert_pd_equals_monolithic(pd, pd.external.url)
     computed = local_prompt_tokens(pd.decode) - before
+    # the dashboard's families, from the engines: one transfer-time sample per request
+    assert gauge(pd.decode, "vllm:flagcx_transfer_seconds_count") - pulls_before \
+        == len(PROMPTS)
+    assert "vllm:flagcx_pending_sends{" in sv.get_text(pd.prefill.url + "/metrics")
     # decode computes at most the last prompt token of each request (the connector loads
     # the rest): a decode that recomputed the prompts would count hundreds here
     assert computed <= len(PROMPTS), computed

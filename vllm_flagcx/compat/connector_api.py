@@ -20,6 +20,7 @@ import abc
 from typing import Any
 
 from vllm_flagcx.compat.probe import optional, resolve
+from vllm_flagcx.wire import metrics
 
 KVConnectorBase_V1 = resolve("KVConnectorBase_V1")
 KVConnectorRole = resolve("KVConnectorRole")
@@ -127,29 +128,38 @@ _StatsBase = optional("KVConnectorStats") or object
 
 
 class SummedConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
-    """vLLM ``KVConnectorStats`` whose ``data`` is a flat dict of counters that add up
-    across workers and intervals (bytes, descriptors, seconds, failures by stage)."""
+    """vLLM ``KVConnectorStats`` over one report of ``wire.metrics``: counters that add up
+    across workers and intervals, per-request samples for the histograms, and gauges
+    (the catalog says which key is which)."""
 
-    def __init__(self, data: dict[str, float] | None = None) -> None:
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
         self.data = dict(data or {})
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: Any) -> SummedConnectorStats:
-        for key, value in (getattr(other, "data", None) or {}).items():
-            self.data[key] = self.data.get(key, 0) + value
+        metrics.merge(self.data, dict(getattr(other, "data", None) or {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out = dict(self.data)
+        """What vLLM's periodic log line shows: counters, each histogram's count and mean,
+        gauges as they are."""
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if isinstance(value, list):
+                out[f"{key}_count"] = len(value)
+                if value:
+                    out[f"{key}_avg"] = round(sum(value) / len(value), 6)
+            else:
+                out[key] = value
         seconds, total = out.get("send_seconds", 0.0), out.get("send_bytes", 0)
         if seconds:
             out["send_GBps"] = round(total / seconds / 1e9, 3)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return metrics.is_empty(self.data)
 
     def to_dict(self) -> dict[str, Any]:
         return self.data
@@ -157,22 +167,10 @@ class SummedConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
 
 _PromBase = optional("KVConnectorPromMetrics") or object
 
-# counter key in SummedConnectorStats.data -> (Prometheus name, help)
-PROM_COUNTERS = {
-    "send_bytes": ("vllm:flagcx_sent_bytes", "Bytes FlagCXConnector wrote to decode"),
-    "send_descriptors": ("vllm:flagcx_sent_descriptors", "Descriptors in FlagCX writes"),
-    "send_seconds": ("vllm:flagcx_send_seconds", "Seconds spent in FlagCX writes"),
-    "recv_requests": ("vllm:flagcx_received_requests", "Requests whose KV arrived"),
-    "recv_bytes": ("vllm:flagcx_received_bytes", "Bytes of KV that arrived at decode"),
-    "recv_seconds": ("vllm:flagcx_receive_seconds", "Seconds decode waited for KV to land"),
-    "expired_leases": ("vllm:flagcx_expired_leases", "Prefill leases that expired unpulled"),
-    "failures_handshake": ("vllm:flagcx_failures_handshake", "Handshake failures"),
-    "failures_recv": ("vllm:flagcx_failures_recv", "Failed receives"),
-}
-
 
 class FlagCXPromMetrics(_PromBase):  # type: ignore[misc, valid-type]
-    """Counters per engine for the stats above (vLLM's KVConnectorPromMetrics contract)."""
+    """One Prometheus family per ``wire.metrics.FAMILIES`` entry, a child per engine
+    (vLLM's ``KVConnectorPromMetrics`` contract)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
@@ -180,15 +178,31 @@ class FlagCXPromMetrics(_PromBase):  # type: ignore[misc, valid-type]
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         import prometheus_client
 
-        counter_cls = metric_types[prometheus_client.Counter]
-        self.counters: dict[str, dict[int, Any]] = {}
-        for key, (name, doc) in PROM_COUNTERS.items():
-            parent = counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            self.counters[key] = {engine: parent.labels(*values)
-                                  for engine, values in per_engine_labelvalues.items()}
+        self.families: dict[str, dict[int, Any]] = {}
+        for family in metrics.FAMILIES:
+            if family.kind is metrics.Kind.COUNTER:
+                parent = metric_types[prometheus_client.Counter](
+                    name=family.name, documentation=family.help, labelnames=labelnames)
+            elif family.kind is metrics.Kind.HISTOGRAM:
+                parent = metric_types[prometheus_client.Histogram](
+                    name=family.name, documentation=family.help, labelnames=labelnames,
+                    buckets=list(family.buckets))
+            else:
+                parent = metric_types[prometheus_client.Gauge](
+                    name=family.name, documentation=family.help, labelnames=labelnames,
+                    multiprocess_mode="mostrecent")
+            self.families[family.key] = {engine: parent.labels(*values)
+                                         for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, per_engine in self.counters.items():
-            value = transfer_stats_data.get(key, 0)
-            if value and engine_idx in per_engine:
-                per_engine[engine_idx].inc(value)
+        for key, value in transfer_stats_data.items():
+            family, child = metrics.BY_KEY.get(key), self.families.get(key, {}).get(engine_idx)
+            if family is None or child is None:
+                continue
+            if family.kind is metrics.Kind.HISTOGRAM:
+                for sample in value:
+                    child.observe(sample)
+            elif family.kind is metrics.Kind.GAUGE:
+                child.set(value)
+            elif value:
+                child.inc(value)

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from vllm_flagcx.connector import fault_knobs, integrity
+from vllm_flagcx.connector.observations import Observations
 from vllm_flagcx.connector.scheduler import RecvTask
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
@@ -33,6 +34,7 @@ class Puller:
     settings: Any
     views: dict[str, Any]
     stats: Any
+    observations: Observations
     ledger: Any
     _lock: threading.Lock
 
@@ -53,6 +55,7 @@ class Puller:
             reply = self._ask(host, port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0),
                               self.settings.handshake_timeout)
             took = time.monotonic() - started
+            self.observations.observe("handshake_seconds", took)
             if took > SLOW_HANDSHAKE_SECONDS:
                 logger.warning("FlagCX handshake with prefill %s:%d took %.1f s (a busy or "
                                "CPU-starved prefill worker answers late)", host, port, took)
@@ -67,6 +70,7 @@ class Puller:
         """``_pull``, and whatever it raises (a bug, a value nobody checked) fails the
         request: a pull thread that died silently left its request waiting forever with
         its blocks."""
+        self.observations.pull_started()
         try:
             self._pull(task)
         except Exception as exc:
@@ -76,6 +80,8 @@ class Puller:
                 self._fail_after_release(task, flat, error)
             except Exception:
                 self.ledger.record("recv", task.request_id, flat, error)
+        finally:
+            self.observations.pull_ended()
 
     def _pull(self, task: RecvTask) -> None:
         flat = [b for g in task.block_ids for b in g]
@@ -116,7 +122,7 @@ class Puller:
         request = hs.PullRequest(remote.transfer_id, self.sheet,
                                  tuple(tuple(g) for g in task.block_ids),
                                  tuple(task.offsets))
-        total = 0
+        total = descriptors = 0
         entries: list[integrity.LogicalEntry] = []
         for p_rank in senders:
             try:
@@ -158,6 +164,7 @@ class Puller:
                         "did not land"))
                     return
             total += reply.num_bytes
+            descriptors += reply.num_descriptors
             entries += reply.logical
         if self.settings.verify_integrity:
             mismatch = integrity.logical_mismatch(
@@ -172,10 +179,14 @@ class Puller:
             fault_knobs.corrupt_first_block(
                 self.regions, task.block_ids,
                 fault_knobs.memory_filler(self.settings.host_memory))
+        took = time.monotonic() - started
+        self.observations.observe("transfer_seconds", took)
+        self.observations.observe("transfer_bytes", total)
+        self.observations.observe("transfer_descriptors", descriptors)
         with self._lock:
             self._done_recving.add(task.request_id)
             self.stats["recv_bytes"] += total
-            self.stats["recv_seconds"] += time.monotonic() - started
+            self.stats["recv_seconds"] += took
             self.stats["recv_requests"] += 1
 
     def _integrity_checked(self) -> bool:

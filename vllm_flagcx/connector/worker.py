@@ -33,6 +33,7 @@ from typing import Any
 from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.host_cpus import unpin_this_thread
 from vllm_flagcx.connector.ledger import STAGES, FailureLedger, _delta
+from vllm_flagcx.connector.observations import Observations
 from vllm_flagcx.connector.parked import ParkedPulls
 from vllm_flagcx.connector.puller import Puller
 from vllm_flagcx.connector.receivers import ReceiverCache
@@ -151,6 +152,7 @@ class WorkerHalf(SideChannelServer, Puller):
         self._pull_threads: list[threading.Thread] = []
         self.stats: dict[str, float] = defaultdict(float)
         self._last_stats: dict[str, float] = {}
+        self.observations = Observations()  # histogram samples and gauges (wire.metrics)
         self._pending_invalid: set[int] = set()
         self._storages: list[tuple[int, int]] = []  # registered (address, size), disjoint
         self.failed_last_step: set[str] = set()
@@ -219,12 +221,14 @@ class WorkerHalf(SideChannelServer, Puller):
         thread.start()
         self._pull_threads = [t for t in self._pull_threads if t.is_alive()] + [thread]
 
-    def take_stats(self) -> dict[str, float]:
-        """Transfer counters since the previous call."""
+    def take_stats(self) -> dict[str, Any]:
+        """Transfer counters since the previous call, with the histogram samples and the
+        gauges of ``observations`` (the keys of ``wire.metrics``)."""
         with self._lock:
-            delta = _delta(self.stats, self._last_stats)
+            delta: dict[str, Any] = _delta(self.stats, self._last_stats)
             self._last_stats = dict(self.stats)
         delta.pop("registered_storages", None)
+        delta.update(self.observations.take(pending_sends=len(self.sends)))
         return delta
 
     # ---------------------------------------------------------------- shutdown
