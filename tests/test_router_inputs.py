@@ -110,3 +110,37 @@ def test_design_note_router_script_takes_its_flags(tmp_path):
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_the_seeds_side_channel_port_is_checked_in_sequential_mode():
+    """``--prefill URL 8998`` (the design note's form): in sequential mode prefill's
+    returned ``remote_port`` must be that port, or the request fails fast naming
+    ``side_channel_port``; decode is never sent a leg that would dial the wrong port, and
+    what prefill holds is released."""
+    with rs.upstream("prefill") as p, rs.upstream("decode") as d:
+        p.side = 8998  # the stand-in advertises port 1
+        with router([p], [d]) as (url, proxy):
+            r = httpx.post(url + "/v1/completions", json=rs.BODY, timeout=10)
+        assert r.status_code == 502
+        assert "side_channel_port=8998" in r.json()["error"]["message"]
+        assert d.seen == [] and proxy.counters["released"] == 1
+        p.side = 1  # matching: served
+        with router([p], [d]) as (url, _):
+            assert httpx.post(url + "/v1/completions", json=rs.BODY, timeout=10
+                              ).status_code == 200
+
+
+def test_a_loopback_side_channel_is_refused_when_decode_is_on_another_host():
+    from vllm_flagcx.router.legs import advertised_side_channel_problem as problem
+
+    params = {"remote_host": "127.0.0.1", "remote_port": 5600}
+    # decode on prefill's host (by name or by loopback): loopback is right
+    assert problem("10.0.0.1", None, ["10.0.0.1"], params) is None
+    assert problem("127.0.0.1", None, ["localhost", "::1"], params) is None
+    # decode elsewhere: it would dial itself
+    msg = problem("10.0.0.1", None, ["10.0.0.1", "10.0.0.2"], params)
+    assert msg is not None and "side_channel_host" in msg and "10.0.0.2" in msg
+    assert problem("10.0.0.1", None, ["10.0.0.2"],
+                   {"remote_host": "10.0.0.1", "remote_port": 5600}) is None
+    assert problem("10.0.0.1", 5601, ["10.0.0.1"], params) is not None  # port differs
+    assert problem("10.0.0.1", None, ["10.0.0.2"], None) is None  # nothing held

@@ -65,6 +65,35 @@ def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     return out
 
 
+def advertised_side_channel_problem(prefill_url_host: str, given_port: int | None,
+                                    decode_hosts: list[str],
+                                    params: dict[str, Any] | None) -> str | None:
+    """Why decode could not reach (or would reach the wrong) prefill side channel that
+    prefill's returned ``kv_transfer_params`` name, or None. Sequential mode: what the
+    operator told the router (``--prefill URL SIDE_CHANNEL_PORT``, the seed's form) must
+    match what prefill advertises, and a loopback address is refused when a decode runs on
+    another host (it would dial its own host: a fast refusal beats a late recompute)."""
+    if not params or "remote_port" not in params:
+        return None
+    port, host = params.get("remote_port"), str(params.get("remote_host") or "")
+    if given_port is not None and port != given_port:
+        return (f"prefill advertises side channel port {port} but the router was given "
+                f"{given_port} (--prefill URL {given_port}): set side_channel_port="
+                f"{given_port} in prefill's kv_connector_extra_config, or give --prefill "
+                f"URL {port}")
+
+    def same_host(a: str, b: str) -> bool:
+        return a == b or (params_schema.is_loopback(a) and params_schema.is_loopback(b))
+
+    remote = [h for h in decode_hosts if not same_host(h, prefill_url_host)]
+    if params_schema.is_loopback(host) and remote:
+        return (f"prefill advertises its side channel at the loopback address {host}, but "
+                f"decode runs on another host ({remote[0]}) and would dial itself: set "
+                f"side_channel_host in prefill's kv_connector_extra_config to an address "
+                f"decode can reach (e.g. {prefill_url_host})")
+    return None
+
+
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
     """The decode leg's request: the client's own, with prefill's ``kv_transfer_params``."""
     out = dict(body)

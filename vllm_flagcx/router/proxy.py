@@ -30,6 +30,7 @@ import httpx
 from vllm_flagcx.router.legs import (
     LegError,
     RouterSettings,
+    advertised_side_channel_problem,
     decode_body,
     json_object,
     prefill_body,
@@ -192,7 +193,13 @@ class Proxy:
                 flow.prefill_task = asyncio.create_task(
                     self.run_prefill(path, body, flow.transfer_id))
             else:
-                _, flow.params = await self.run_prefill(path, body, flow.transfer_id)
+                p_instance, flow.params = await self.run_prefill(path, body, flow.transfer_id)
+                problem = advertised_side_channel_problem(
+                    p_instance.host, p_instance.side_channel_port,
+                    [i.host for i in self.decode.instances], flow.params)
+                if problem is not None:
+                    p_instance.failed += 1
+                    raise LegError(502, "prefill", p_instance.url, problem)
             flow.instance, flow.response = await self.open_decode(path, body, flow.params)
             if flow.prefill_task is not None:
                 flow.watch_prefill()

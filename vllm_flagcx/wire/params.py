@@ -50,10 +50,14 @@ CONCURRENT_REFUSAL = (
     "default), llm-d --kv-connector=nixlv2")
 
 
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith(("127.", "::1", "[::1]"))
+
+
 def loopback_hint(host: str) -> str:
     """What to add to a failed handshake with ``host`` when it is a loopback address:
     prefill's default ``side_channel_host`` cannot be reached from another host."""
-    if host != "localhost" and not host.startswith(("127.", "::1", "[::1]")):
+    if not is_loopback(host):
         return ""
     return (f"; prefill advertised the loopback address {host}: if it runs on another "
             "host, set kv_connector_extra_config.side_channel_host on prefill to an "
