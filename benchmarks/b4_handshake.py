@@ -12,6 +12,7 @@ after the sheet's TTL). Process and interpreter start are excluded.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from benchmarks import layout as L
@@ -38,19 +39,22 @@ def run(quick: bool) -> dict[str, Any]:
     local = hs.make_sheet(layout=peer.layout_facts(), engine_id="bench-decode",
                           incarnation="d", tp_size=L.TP, tp_rank=0)
     transport = LocalTransport()
-    parts: dict[str, dict[str, list[float]]] = {"cold": {}, "warm": {}}
+    parts: dict[str, dict[str, list[float]]] = {"cold": {}, "warm": {}, "kept": {}}
+    small: dict[str, list[float]] = {"new connection": [], "kept connection": []}
     use_test_helpers()
     from testkit import peers
 
     with peers.spawned(peer.prefill_side_channel, port, 2000, start_timeout=120,
                        stop="stop"):
         shared = zmq.Context()
-        for mode in ("cold", "warm"):
+        channels = client.Channels(shared)
+        for mode in ("cold", "warm", "kept"):
             for _ in range(reps):
                 t0 = time.perf_counter_ns()
                 ctx = zmq.Context() if mode == "cold" else shared
-                reply = client.ask(ctx, "127.0.0.1", port,
-                                   hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0), 5.0)
+                ask = channels.ask if mode == "kept" else partial(client.ask, ctx)
+                reply = ask("127.0.0.1", port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0),
+                            5.0)
                 t1 = time.perf_counter_ns()
                 assert isinstance(reply, hs.HandshakeReply), reply
                 hs.check_compatible(local, reply.sheet)
@@ -64,6 +68,14 @@ def run(quick: bool) -> dict[str, Any]:
                 for key, value in (("round trip", t1 - t0), ("check + regions", t2 - t1),
                                    ("transport connect", t3 - t2), ("total", t3 - t0)):
                     parts[mode].setdefault(key, []).append(value / 1e6)
+        beat = hs.Heartbeat(("bench-unknown-transfer",))  # the smallest message
+        for _ in range(reps * 5):
+            for label, ask in (("new connection", partial(client.ask, shared)),
+                               ("kept connection", channels.ask)):
+                t0 = time.perf_counter_ns()
+                ask("127.0.0.1", port, beat, 5.0)
+                small[label].append((time.perf_counter_ns() - t0) / 1e6)
+        channels.close()
         shared.term()
     out = {mode: {k: report.summary(v) for k, v in d.items()} for mode, d in parts.items()}
     rows = [(mode, key, s["median"], s["p99"]) for mode, d in out.items()
@@ -72,7 +84,15 @@ def run(quick: bool) -> dict[str, Any]:
     text = report.table(f"B4 first-request handshake on loopback ({reps} reps, fact sheet "
                         f"{sheet_bytes:,} B with {len(regions)} regions)",
                         ("mode", "part", "ms p50", "ms p99"), rows)
-    return {"name": "b4_handshake", "text": text, "parts": out, "sheet_bytes": sheet_bytes}
+    new, kept = (report.summary(small[k]) for k in ("new connection", "kept connection"))
+    text += "\n" + report.table(
+        f"B4b side-channel message round trip (Heartbeat, {reps * 5} reps, interleaved; "
+        "issue 27: a kept connection per peer)", ("connection", "ms p50", "ms p99"),
+        [("new per message", new["median"], new["p99"]),
+         ("kept (wire.client.Channels)", kept["median"], kept["p99"])])
+    text += f"\nratio kept / new (p50): {kept['median'] / new['median']:.2f}"
+    return {"name": "b4_handshake", "text": text, "parts": out, "sheet_bytes": sheet_bytes,
+            "message_round_trip": {"new": new, "kept": kept}}
 
 
 def chart(result: dict[str, Any], out_dir: Any) -> None:

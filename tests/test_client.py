@@ -92,3 +92,91 @@ def test_without_the_probe_a_dead_peer_costs_the_whole_timeout(context):
     port = free_port()
     with pytest.raises(TimeoutError):
         client.ask(context, "127.0.0.1", port, hs.Release("t"), 0.5)
+
+
+class _Router:
+    """A ROUTER that answers every request with an Ack, except the ``silent`` first ones;
+    records each request's connection identity (one identity per TCP connection)."""
+
+    def __init__(self, ctx, port, silent: int = 0):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.idents: list[bytes] = []
+        self.silent = silent
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            if self.sock.poll(20):
+                ident, _, _ = self.sock.recv_multipart()
+                self.idents.append(ident)
+                if self.silent:
+                    self.silent -= 1
+                    continue
+                self.sock.send_multipart([ident, b"", hs.encode(hs.Ack("t"))])
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_channels_keep_one_connection_per_peer(context):
+    """Issue 27: a new connection (and, with a secret, a CURVE handshake) per message was
+    the side channel's fixed cost; kept connections pay it once per peer."""
+    port = free_port()
+    server = _Router(context, port)
+    channels = client.Channels(context)
+    try:
+        for _ in range(5):
+            assert isinstance(channels.ask("127.0.0.1", port, hs.Release("t"), 5.0), hs.Ack)
+        assert channels.opened == 1 and len(set(server.idents)) == 1
+        assert len(server.idents) == 5
+    finally:
+        channels.close()
+        server.close()
+
+
+def test_a_connection_that_missed_its_answer_is_never_reused(context):
+    """A REQ socket whose answer did not come is stuck: it is closed, and the next message
+    goes over a new connection and is answered."""
+    port = free_port()
+    server = _Router(context, port, silent=1)
+    channels = client.Channels(context)
+    try:
+        with pytest.raises(TimeoutError):
+            channels.ask("127.0.0.1", port, hs.Release("t"), 0.3)
+        assert isinstance(channels.ask("127.0.0.1", port, hs.Release("t"), 5.0), hs.Ack)
+        assert channels.opened == 2 and len(set(server.idents)) == 2
+    finally:
+        channels.close()
+        server.close()
+
+
+def test_concurrent_askers_each_get_their_answer_and_the_pool_stays_bounded(context):
+    port = free_port()
+    server = _Router(context, port)
+    channels = client.Channels(context, max_idle=2)
+    answers: list[object] = []
+
+    def asker():
+        for _ in range(5):
+            answers.append(channels.ask("127.0.0.1", port, hs.Release("t"), 5.0))
+
+    try:
+        threads = [threading.Thread(target=asker) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(answers) == 30 and all(isinstance(a, hs.Ack) for a in answers)
+        assert 1 <= channels.opened <= 6 + 5 * 4  # reused across rounds, never more
+        assert sum(len(c) for c in channels._idle.values()) <= 2
+    finally:
+        channels.close()
+        server.close()
+    with pytest.raises(ConnectionAbortedError, match="closed"):
+        channels.ask("127.0.0.1", port, hs.Release("t"), 1.0)

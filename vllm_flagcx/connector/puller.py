@@ -35,17 +35,24 @@ class Puller:
     views: dict[str, Any]
     stats: Any
     observations: Observations
+    _zmq: Any
+    _channels: client.Channels | None
     ledger: Any
     _lock: threading.Lock
 
     def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
+        """One exchange with a prefill rank over the connection kept for it."""
         import zmq
 
-        with self._lock:  # pull threads start at once; one context for all
+        with self._lock:  # pull threads start at once; one context and pool for all
             if self._zmq is None:
                 self._zmq = zmq.Context()
-        return client.ask(self._zmq, host, port, message, timeout,
-                          probe_every=self.settings.peer_probe_seconds, key=self.settings.key)
+            if self._channels is None:
+                self._channels = client.Channels(self._zmq)
+            channels = self._channels
+        return channels.ask(host, port, message, timeout,
+                            probe_every=self.settings.peer_probe_seconds,
+                            key=self.settings.key)
 
     def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
         key = (host, port)

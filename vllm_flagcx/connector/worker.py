@@ -44,6 +44,7 @@ from vllm_flagcx.connector.side_channel_server import (
 )
 from vllm_flagcx.layout.regions import Region, Section, storage_spans
 from vllm_flagcx.transport.base import Transport
+from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
@@ -157,6 +158,7 @@ class WorkerHalf(SideChannelServer, Puller):
         self._storages: list[tuple[int, int]] = []  # registered (address, size), disjoint
         self.failed_last_step: set[str] = set()
         self._zmq = None
+        self._channels: client.Channels | None = None  # decode: kept side-channel connections
         self._read_kv = (integrity.reader(settings.host_memory)
                          if settings.verify_integrity else None)
         # layer -> compat.kv_views.AttentionView: the logical integrity sample's reader
@@ -245,6 +247,8 @@ class WorkerHalf(SideChannelServer, Puller):
         self._wake_r = self._wake_w = -1
         for thread in self._pull_threads:
             thread.join(timeout=0.5)
+        if self._channels is not None:
+            self._channels.close()
         if self._zmq is not None:
             self._zmq.term()
             self._zmq = None

@@ -34,6 +34,7 @@ class HeartbeatSender:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._channels: client.Channels | None = None  # kept connections, made at first use
         self.sent = 0
 
     def watch(self, request_id: str, remote: RemotePrefill) -> None:
@@ -70,12 +71,15 @@ class HeartbeatSender:
         newly watched transfers alone as soon as they are watched)."""
         import zmq
 
-        context = zmq.Context.instance()
+        with self._lock:  # one kept connection per prefill rank
+            if self._channels is None:
+                self._channels = client.Channels(zmq.Context.instance())
+            channels = self._channels
         for (host, port, tp), tids in self._targets(fresh_only).items():
             for rank in range(tp):
                 try:
-                    client.ask(context, host, port + rank, hs.Heartbeat(tuple(tids)),
-                               self.timeout, key=self.key)
+                    channels.ask(host, port + rank, hs.Heartbeat(tuple(tids)),
+                                       self.timeout, key=self.key)
                     self.sent += 1
                 except (TimeoutError, OSError, zmq.ZMQError, hs.HandshakeError) as exc:
                     logger.debug("heartbeat to %s:%d failed: %s", host, port + rank, exc)
@@ -99,3 +103,5 @@ class HeartbeatSender:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.timeout + self.interval)
+        if self._channels is not None:
+            self._channels.close()
