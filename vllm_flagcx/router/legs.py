@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from vllm_flagcx.router.pool import RouterConfigError
+from vllm_flagcx.router.pool import Instance, RouterConfigError
 from vllm_flagcx.wire import params as params_schema
 
 # Sampling fields that could end the prefill leg early (before its one token is length
@@ -92,6 +92,16 @@ def advertised_side_channel_problem(prefill_url_host: str, given_port: int | Non
                 f"side_channel_host in prefill's kv_connector_extra_config to an address "
                 f"decode can reach (e.g. {prefill_url_host})")
     return None
+
+
+def check_advertised(prefill: Instance, decodes: list[Instance],
+                     params: dict[str, Any] | None) -> None:
+    """LegError 502 naming prefill when ``advertised_side_channel_problem`` finds one."""
+    problem = advertised_side_channel_problem(
+        prefill.host, prefill.side_channel_port, [d.host for d in decodes], params)
+    if problem is not None:
+        prefill.failed += 1
+        raise LegError(502, "prefill", prefill.url, problem)
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import httpx
 from vllm_flagcx.router.legs import (
     LegError,
     RouterSettings,
-    advertised_side_channel_problem,
+    check_advertised,
     decode_body,
     json_object,
     prefill_body,
@@ -194,12 +194,7 @@ class Proxy:
                     self.run_prefill(path, body, flow.transfer_id))
             else:
                 p_instance, flow.params = await self.run_prefill(path, body, flow.transfer_id)
-                problem = advertised_side_channel_problem(
-                    p_instance.host, p_instance.side_channel_port,
-                    [i.host for i in self.decode.instances], flow.params)
-                if problem is not None:
-                    p_instance.failed += 1
-                    raise LegError(502, "prefill", p_instance.url, problem)
+                check_advertised(p_instance, self.decode.instances, flow.params)
             flow.instance, flow.response = await self.open_decode(path, body, flow.params)
             if flow.prefill_task is not None:
                 flow.watch_prefill()
