@@ -11,6 +11,8 @@ concurrent contract (router-minted id, bootstrap address) is refused by name.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
@@ -94,3 +96,45 @@ def test_a_loopback_address_is_named_when_the_handshake_fails():
     assert "side_channel_host" in wire_params.loopback_hint("127.0.0.1")
     assert "side_channel_host" in wire_params.loopback_hint("::1")
     assert wire_params.loopback_hint("10.1.2.3") == ""
+
+
+def test_prefill_dp_ranks_each_advertise_their_port_and_may_share_a_request_id():
+    """vLLM's API server pins a request to the DP rank named by ``X-data-parallel-rank``
+    (llm-d and vllm-router send it); that rank's engine then answers the prefill leg. Each
+    rank must name its own side channel (base port + rank x TP) in the dict it returns,
+    and a router-minted ``X-Request-Id`` can reach two ranks (a prefill leg retried on the
+    other rank): the NIXL contract makes that id the transfer id, so decode must tell the
+    two pulls apart by their peer, and get each rank's own bytes."""
+    base = pd.free_port()
+    ranks = [pd.build_instance("kv_producer", 1, base, model="dense", seed=1 + r, dp_rank=r)
+             for r in range(2)]
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="dense")
+    try:
+        shared_id = "router-minted-uuid-7"
+        records = [pd.run_prefill(p, [40], prefill_params=lambda i: dict(NIXL_PREFILL),
+                                  request_id=lambda i: shared_id) for p in ranks]
+        for r, rec in enumerate(records):
+            params = rec[shared_id]["params"]
+            assert params["transfer_id"] == shared_id
+            assert params["remote_port"] == base + r  # TP 1: one port per rank
+        for rec in records:  # both pulls in flight on one decode at once
+            only = rec[shared_id]
+            req = harness.make_request(only["tokens"], max_tokens=3,
+                                          kv_transfer_params=dict(only["params"]))
+            d.scheduler.add_request(req)
+            only["d_req"] = req.request_id
+        deadline = time.monotonic() + 60
+        while any(map(pd.busy, (*ranks, d))) and time.monotonic() < deadline:
+            for inst in (*ranks, d):
+                inst.step()
+            time.sleep(0.002)
+        for p, rec in zip(ranks, records, strict=True):
+            pd.assert_attention_bytes_moved(p, d, rec)
+        layer = ranks[0].ranks[0].config.kv_cache_groups[0].layer_names[0]
+        first, second = (pd.attention_block_bytes(p, layer, 1) for p in ranks)
+        assert (first != second).any()  # the check above tells the ranks apart
+        for inst in (*ranks, d):
+            pd.assert_idle(inst)
+    finally:
+        for inst in (*ranks, d):
+            inst.shutdown()

@@ -27,16 +27,18 @@ def step_prefill(p: Instance, steps: int = 3) -> None:
 
 
 def run_prefill(p: Instance, prompts: list[int], timeout: float = 30.0,
-                prefill_params: Callable[[int], dict[str, Any]] | None = None
-                ) -> dict[str, Any]:
+                prefill_params: Callable[[int], dict[str, Any]] | None = None,
+                request_id: Callable[[int], str] | None = None) -> dict[str, Any]:
     """Prefill each prompt as the router does (max_tokens=1, a minted transfer id), or
     with ``prefill_params(i)`` as the prefill leg's ``kv_transfer_params`` (another
-    router's shape); records by transfer id (the request id where none was given)."""
+    router's shape); records by transfer id (the request id where none was given).
+    ``request_id(i)``: the prompt's request id (default: a fresh one)."""
     records = {}
     for i, n in enumerate(prompts):
         params = (prefill_params(i) if prefill_params is not None else
                   {"do_remote_decode": True, "transfer_id": f"xfer-{i}-{time.monotonic_ns()}"})
-        req = harness.make_request(n, max_tokens=1, kv_transfer_params=params)
+        req = harness.make_request(n, max_tokens=1, kv_transfer_params=params,
+                                   request_id=request_id(i) if request_id else None)
         p.scheduler.add_request(req)
         tid = params.get("transfer_id") or req.request_id
         records[tid] = {"p_req": req.request_id, "tokens": n}

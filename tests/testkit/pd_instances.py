@@ -186,12 +186,15 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    secret_file: str | None = None, engine_id: str | None = None,
                    attn_layout: str = "flash_hnd",
                    failure_policy: str | None = None,
-                   release_hold_seconds: float = 600.0, multi: bool = False) -> Instance:
+                   release_hold_seconds: float = 600.0, multi: bool = False,
+                   dp_rank: int = 0) -> Instance:
     """``secret_file``: the side-channel secret (wire.auth) for the scheduler (through
     the extra config) and the workers. ``failure_policy``: vLLM's
     ``kv_load_failure_policy`` where this build has it (None: the build's default).
     ``multi``: the scheduler's connector is vLLM's MultiConnector holding FlagCXConnector
-    as its one child (how NVIDIA Dynamo takes a connector it does not name)."""
+    as its one child (how NVIDIA Dynamo takes a connector it does not name). ``dp_rank``:
+    this instance is that data-parallel rank of a DP deployment (vLLM's ParallelConfig);
+    its workers bind the side-channel port the product's scheduler half advertises."""
     hybrid = model == "hybrid"
     key = auth.load_key(secret_file)
     if secret_file:
@@ -213,6 +216,11 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
         **wrapped})
     # The instance's TP size as its scheduler sees it (no worker processes run here).
     config.parallel_config.tensor_parallel_size = tp
+    if dp_rank:
+        config.parallel_config.data_parallel_size = dp_rank + 1
+        config.parallel_config.data_parallel_rank = dp_rank
+        if hasattr(config.parallel_config, "data_parallel_index"):
+            config.parallel_config.data_parallel_index = dp_rank
     if failure_policy is not None:
         config.kv_transfer_config.kv_load_failure_policy = failure_policy
     if model == "mla":
@@ -242,6 +250,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                 for layer in group.layer_names:
                     ranks[rank].caches[layer].copy_(ranks[first].caches[layer])
     scheduler = harness.make_scheduler(config, ranks[0].config)
+    children = getattr(scheduler.connector, "_connectors", None)
+    port = (children[0] if children else scheduler.connector).side_channel_port
     if via_entry:  # the product's own worker path: vLLM's role enum, register_kv_caches
         from vllm_flagcx.compat.connector_api import KVConnectorRole
         from vllm_flagcx.connector import FlagCXConnector

@@ -153,15 +153,17 @@ def block_hasher(block_size: int) -> Any:
 
 
 def make_request(num_tokens: int, *, max_tokens: int = 4,
-                 kv_transfer_params: dict | None = None, hasher: Any = None) -> Any:
-    """A real v1 Request with ``num_tokens`` prompt tokens and greedy sampling."""
+                 kv_transfer_params: dict | None = None, hasher: Any = None,
+                 request_id: str | None = None) -> Any:
+    """A real v1 Request with ``num_tokens`` prompt tokens and greedy sampling
+    (``request_id``: a given id, as a router's ``X-Request-Id`` header makes it)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     if kv_transfer_params is not None:
         params.extra_args = {"kv_transfer_params": kv_transfer_params}
-    request_id = f"req-{next(_request_ids)}"
+    request_id = request_id or f"req-{next(_request_ids)}"
     prompt = [(i % 400) + 3 for i in range(num_tokens)]
     request = Request(**_kwargs_for(
         Request, request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
