@@ -27,17 +27,20 @@ PROMPTS = demo_run.PROMPTS
 
 
 class Deployment:
-    """``engine_args`` and ``cpu_isa="auto"``: the GPU suite's engines (tests/gpu)."""
+    """``engine_args`` and ``cpu_isa="auto"``: the GPU suite's engines (tests/gpu).
+    ``decode_args``: more ``vllm serve`` arguments for decode alone."""
 
     def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "float32",
                  engine_args: tuple[str, ...] = (), cpu_isa: str = "vec",
-                 max_model_len: int = 1024, by_name: bool = False) -> None:
+                 max_model_len: int = 1024, by_name: bool = False,
+                 decode_args: tuple[str, ...] = ()) -> None:
         model = demo_model.write_model(workdir / "model", kind)
         self.side = rs.free_port()
         self.prefill, self.decode, self.router = demo_run.deployment(
             sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),
             self.side, dtype, cpu_isa=cpu_isa, test_faults=True, engine_args=engine_args,
             max_model_len=max_model_len, by_name=by_name)
+        self.decode.argv += list(decode_args)
         for server in (self.prefill, self.decode):
             # the test kit quiets vLLM to WARNING in this process (testkit.cpu_platform);
             # the engines log at INFO, where the connector's start line is
@@ -52,9 +55,11 @@ class Deployment:
 
 @contextlib.contextmanager
 def deployed(workdir: Path, kind: str = "sliding", dtype: str = "float32",
-             cpu_isa: str = "vec", by_name: bool = False) -> Iterator[Deployment]:
+             cpu_isa: str = "vec", by_name: bool = False,
+             decode_args: tuple[str, ...] = ()) -> Iterator[Deployment]:
     """Start the pair, then the router; stop all three on the way out."""
-    d = Deployment(workdir, kind, dtype, cpu_isa=cpu_isa, by_name=by_name)
+    d = Deployment(workdir, kind, dtype, cpu_isa=cpu_isa, by_name=by_name,
+                   decode_args=decode_args)
     with sv.running([d.prefill, d.decode]):
         sv.wait_healthy([d.prefill, d.decode], START_TIMEOUT)
         with sv.running([d.router]):

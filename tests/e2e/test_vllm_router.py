@@ -9,7 +9,9 @@ PD == monolithic greedy with the KV moved and decode computing no prompt token i
 negative control of the comparison runs on the same engines), ``vllm bench serve``
 through it next to our router, a decode leg that decode refuses under it (prefill is
 released at once), and a decode leg that never comes (prefill frees the blocks at the first
-lease, not the full one).
+lease, not the full one). Decode publishes vLLM's KV events (``--kv-events-config``, ZMQ, as
+prefix-aware routers subscribe to them): the blocks the connector filled appear there, per
+KV cache group.
 """
 
 from __future__ import annotations
@@ -59,15 +61,59 @@ def vllm_router_server(workdir, prefill: sv.Server, decode: sv.Server) -> sv.Ser
         port, workdir / "vllm-router.log")
 
 
+class KvEventSubscriber:
+    """What a prefix-aware router runs against an engine: a ZMQ SUB socket for vLLM's KV
+    event publisher. It binds on loopback and the engine's publisher connects to it
+    (vLLM connects when the endpoint names a host), so no port is opened beyond loopback."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.endpoint = f"tcp://{sv.HOST}:{rs.free_port()}"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+
+    def engine_args(self) -> tuple[str, ...]:
+        return ("--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint,
+            "topic": "kv@decode"}))
+
+    def drain(self, seconds: float) -> list:
+        """Every event batch that arrives within ``seconds`` (vLLM's own types)."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        batches = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._sock.poll(int(left * 1000)):
+                _topic, _seq, payload = self._sock.recv_multipart()
+                batches.append(decoder.decode(payload))
+        return batches
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("vllm-router")
-    with deployed(workdir, by_name=True) as d:
-        router = vllm_router_server(workdir, d.prefill, d.decode)
-        with sv.running([router]):
-            sv.wait_healthy([router], ROUTER_START_SECONDS)
-            d.external = router
-            yield d
+    events = KvEventSubscriber()
+    try:
+        with deployed(workdir, by_name=True, decode_args=events.engine_args()) as d:
+            router = vllm_router_server(workdir, d.prefill, d.decode)
+            with sv.running([router]):
+                sv.wait_healthy([router], ROUTER_START_SECONDS)
+                d.external = router
+                d.events = events
+                yield d
+    finally:
+        events.close()
 
 
 def local_prompt_tokens(server: sv.Server) -> float:
@@ -107,6 +153,46 @@ def test_pd_under_vllm_router_equals_monolithic_with_the_kv_moved(pd, capsys):
         for label, equal, moved in rows:
             print(f"  {label!r:36} equal={equal} kv_bytes={moved}")
     assert all(equal and moved > 0 for _, equal, moved in rows)
+
+
+def test_decode_publishes_kv_events_for_the_blocks_the_connector_filled(pd):
+    """A prefix-aware router (llm-d precise-prefix-cache, Dynamo's KV router) indexes
+    decode by its KV events. vLLM itself publishes ``BlockStored`` for the blocks the
+    connector filled, when it caches them at the end of the load
+    (``_update_waiting_for_remote_kv``), with the HMA group on builds that carry it; the
+    connector adds none of its own (they would repeat the same hashes). Checked: every
+    full prompt block, in every KV cache group, with decode computing no prompt token."""
+    pd.events.drain(1.0)  # what earlier tests left
+    prompt = [100 + (7 * i) % 900 for i in range(300)]  # token ids no test sent before
+    before = local_prompt_tokens(pd.decode)
+    received = demo_run.received(pd.decode)
+    r = complete(pd.external.url, prompt, max_tokens=2)
+    assert r.status_code == 200, r.text[:300]
+    moved, _ = demo_run.transfer_after(pd.decode, received)
+    assert moved > 0
+    assert local_prompt_tokens(pd.decode) - before <= 1  # the connector filled the rest
+    stored: dict[int | None, list] = {}
+    for batch in pd.events.drain(3.0):
+        for event in batch.events:
+            if type(event).__name__ == "BlockStored":
+                stored.setdefault(event.group_idx, []).append(event)
+    assert stored, "decode published no BlockStored event for a PD request"
+    kinds = {g: {e.kv_cache_spec_kind for e in evs} for g, evs in stored.items()}
+    assert len(stored) == 2, kinds  # the sliding model: full attention + sliding window
+    covered: dict[int | None, set[int]] = {}
+    for group, events in stored.items():
+        for e in events:  # each event: whole prompt blocks, block-aligned, in order
+            start = prompt.index(e.token_ids[0])  # the prompt's token ids are distinct
+            assert start % e.block_size == 0, (group, start)
+            assert e.token_ids == prompt[start:start + len(e.token_ids)]
+            covered.setdefault(group, set()).update(
+                range(start // e.block_size, (start + len(e.token_ids)) // e.block_size))
+    full_blocks = len(prompt) // stored[next(iter(stored))][0].block_size
+    assert full_blocks >= 2
+    # full attention: every full block; the sliding window: at least the last one (the
+    # blocks behind the window are vLLM's null block on decode, never filled or stored)
+    assert sorted(len(c) for c in covered.values())[-1] == full_blocks, (covered, kinds)
+    assert all(full_blocks - 1 in c for c in covered.values()), (covered, kinds)
 
 
 def test_negative_control_on_the_same_engines(pd):

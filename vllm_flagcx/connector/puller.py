@@ -1,9 +1,9 @@
 """Decode's puller: handshake with prefill, pull every prefill rank, verify, release.
 
-Each pull runs on its own thread (``WorkerHalf._spawn``) and always ends its request:
-finished (``_done_recving``) or failed in the ``FailureLedger`` after prefill confirmed
-that no write is in flight (``_fail_after_release``); an unexpected error fails it too
-(``_pull_guarded``). A reply's integrity sample is read only inside this worker's own
+Each pull runs on one of the worker's kept threads (``connector.task_threads``) and always
+ends its request: finished (``_done_recving``) or failed in the ``FailureLedger`` after
+prefill confirmed that no write is in flight (``_fail_after_release``); an unexpected error
+fails it too (``_pull_guarded``). A reply's integrity sample is read only inside this worker's own
 registered KV caches.
 
 A mixin of ``worker.WorkerHalf``; its state is created in ``WorkerHalf.__init__``.

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_flagcx.connector import integrity
-from vllm_flagcx.connector.host_cpus import unpin_this_thread
 from vllm_flagcx.connector.ledger import STAGES, FailureLedger, _delta
 from vllm_flagcx.connector.observations import Observations
 from vllm_flagcx.connector.parked import ParkedPulls
@@ -42,6 +41,7 @@ from vllm_flagcx.connector.sends import Sends
 from vllm_flagcx.connector.side_channel_server import (
     SideChannelServer,
 )
+from vllm_flagcx.connector.task_threads import TaskThreads
 from vllm_flagcx.layout.regions import Region, Section, storage_spans
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import client
@@ -150,7 +150,8 @@ class WorkerHalf(SideChannelServer, Puller):
         self._wake_r, self._wake_w = -1, -1
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
-        self._pull_threads: list[threading.Thread] = []
+        # decode: pulls and releases run on kept threads (task_threads says why)
+        self._tasks = TaskThreads()
         self.stats: dict[str, float] = defaultdict(float)
         self._last_stats: dict[str, float] = {}
         self.observations = Observations()  # histogram samples and gauges (wire.metrics)
@@ -193,9 +194,10 @@ class WorkerHalf(SideChannelServer, Puller):
         for task in payload.send.values():
             self.sends.arm(task)  # a duplicate transfer id: done at once (scheduler refuses)
         for task in payload.recv.values():
-            self._spawn(self._pull_guarded, task)
+            self._tasks.submit(self._pull_guarded, task)
         for transfer_id, remote in payload.release.items():
-            self._spawn(self._release, transfer_id, remote, self.settings.handshake_timeout)
+            self._tasks.submit(self._release, transfer_id, remote,
+                               self.settings.handshake_timeout)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving); failed receives are finished too, with
@@ -213,15 +215,6 @@ class WorkerHalf(SideChannelServer, Puller):
         with self._lock:
             invalid, self._pending_invalid = self._pending_invalid, set()
         return invalid
-
-    def _spawn(self, fn: Any, *args: Any) -> None:
-        def run() -> None:
-            unpin_this_thread()
-            fn(*args)
-
-        thread = threading.Thread(target=run, daemon=True, name="flagcx-pull")
-        thread.start()
-        self._pull_threads = [t for t in self._pull_threads if t.is_alive()] + [thread]
 
     def take_stats(self) -> dict[str, Any]:
         """Transfer counters since the previous call, with the histogram samples and the
@@ -245,8 +238,7 @@ class WorkerHalf(SideChannelServer, Puller):
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._wake_r = self._wake_w = -1
-        for thread in self._pull_threads:
-            thread.join(timeout=0.5)
+        self._tasks.shutdown(timeout=2.0)
         if self._channels is not None:
             self._channels.close()
         if self._zmq is not None:
