@@ -211,7 +211,8 @@ class FlagCXConnector(PortableConnectorBase):
             skip_compat_hash=not self.settings.enforce_handshake_compat,
             verify_integrity=self.settings.verify_integrity,
             host_memory=host_memory,
-            test_faults=self.settings.test_faults, key=self._key)
+            test_faults=self.settings.test_faults,
+            log_timelines=self.settings.log_timelines, key=self._key)
         return WorkerHalf(settings, transport)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm_flagcx.connector import fault_knobs, integrity
 from vllm_flagcx.connector.observations import Observations
+from vllm_flagcx.connector.pull_clock import PullClock
 from vllm_flagcx.connector.scheduler import RecvTask
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
@@ -39,6 +40,8 @@ class Puller:
     _channels: client.Channels | None
     ledger: Any
     _lock: threading.Lock
+    _done_recving: set[str]
+    _pull_clocks: dict[str, PullClock]  # finished pulls' clocks, until get_finished
 
     def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
         """One exchange with a prefill rank over the connection kept for it."""
@@ -94,6 +97,7 @@ class Puller:
         flat = [b for g in task.block_ids for b in g]
         remote = task.remote
         started = time.monotonic()
+        clock = PullClock(remote.transfer_id, task.planned_at or started, started)
         try:
             fault = fault_knobs.requested_fault(remote.test_fault, self.settings.test_faults)
         except fault_knobs.FaultKnobError as exc:
@@ -123,6 +127,7 @@ class Puller:
             if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
                 self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
             return
+        clock.sheet = time.monotonic()
         # Every P rank is asked, also those holding nothing for this rank (replicated
         # heads): they answer at once, and each P rank then knows when all D ranks pulled.
         senders = range(p_sheet.tp_size)
@@ -132,9 +137,11 @@ class Puller:
         total = descriptors = 0
         entries: list[integrity.LogicalEntry] = []
         for p_rank in senders:
+            asked = time.monotonic()
             try:
                 reply = self._ask(remote.remote_host, remote.remote_port + p_rank, request,
                                   self.settings.recv_timeout)
+                clock.asking += time.monotonic() - asked
             except (TimeoutError, OSError, hs.HandshakeError) as exc:
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {exc}")
                 return
@@ -170,6 +177,7 @@ class Puller:
                         f"{reply.sample_crc:#x}): the transport reported success but bytes "
                         "did not land"))
                     return
+            clock.add_prefill(reply.timings)
             total += reply.num_bytes
             descriptors += reply.num_descriptors
             entries += reply.logical
@@ -186,12 +194,14 @@ class Puller:
             fault_knobs.corrupt_first_block(
                 self.regions, task.block_ids,
                 fault_knobs.memory_filler(self.settings.host_memory))
-        took = time.monotonic() - started
+        clock.verified = time.monotonic()
+        took = clock.verified - started
         self.observations.observe("transfer_seconds", took)
         self.observations.observe("transfer_bytes", total)
         self.observations.observe("transfer_descriptors", descriptors)
         with self._lock:
             self._done_recving.add(task.request_id)
+            self._pull_clocks[task.request_id] = clock
             self.stats["recv_bytes"] += total
             self.stats["recv_seconds"] += took
             self.stats["recv_requests"] += 1

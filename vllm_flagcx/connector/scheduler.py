@@ -51,6 +51,9 @@ class RecvTask:
     block_ids: list[list[int]]
     num_tokens: int
     offsets: list[int | None] = field(default_factory=list)  # per group, see plans
+    # when this half planned the load: time.monotonic() (wire.timeline's clock rule: one
+    # clock for the host's processes, so the worker may subtract it from its own readings)
+    planned_at: float = 0.0
 
 
 @dataclass
@@ -217,7 +220,7 @@ class SchedulerHalf:
             full = facts.kind in (SpecKind.FULL_ATTENTION, SpecKind.MLA)
             offsets.append(local_hit // facts.block_size if full else None)
         self._pending.recv[request.request_id] = RecvTask(
-            request.request_id, remote, ids, num_external_tokens, offsets)
+            request.request_id, remote, ids, num_external_tokens, offsets, time.monotonic())
         self._waiting_recv[request.request_id] = remote
         self._recv_requests[request.request_id] = request
         self._holders[request.request_id] = (request, False)

@@ -93,6 +93,7 @@ KEYS: dict[str, Callable[[str, Any], Any]] = {
     "release_hold_seconds": _seconds,
     "enforce_handshake_compat": _bool,
     "test_faults": _bool,
+    "log_timelines": _bool,
     "side_channel_secret_file": _text,
 }
 
@@ -150,6 +151,8 @@ class ConnectorSettings:
     release_hold_seconds: float = 600.0
     enforce_handshake_compat: bool = True
     test_faults: bool = False
+    # D: one wire.timeline line per load at INFO (where a request's time goes); else DEBUG
+    log_timelines: bool = False
     side_channel_secret_file: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)  # unknown keys too
 

@@ -49,7 +49,7 @@ class SideChannelWrites:
                     f"write_start_timeout={self.settings.write_start_timeout:g} s): not "
                     "written"))
             else:
-                reply = self._write(send, pull)
+                reply = self._write(send, pull, waited)
         except Exception as exc:  # the last guard: the claim is still finished below
             logger.warning("FlagCX write for %s: %s: %s", pull.transfer_id,
                            type(exc).__name__, exc)
@@ -64,7 +64,7 @@ class SideChannelWrites:
         for waiter in waiters:
             self._post(waiter, hs.Ack(pull.transfer_id))
 
-    def _write(self, send: Send, pull: hs.PullRequest) -> hs.PullReply:
+    def _write(self, send: Send, pull: hs.PullRequest, waited: float = 0.0) -> hs.PullReply:
         started = time.monotonic()
         try:
             hs.check_compatible(self.sheet, pull.sheet, skip_hash=self.settings.skip_compat_hash)
@@ -83,10 +83,11 @@ class SideChannelWrites:
         if not result.ok:
             self._connections.pop(pull.sheet.incarnation, None)
             return hs.PullReply(pull.transfer_id, False, result.error)
+        written = time.monotonic()
         with self._lock:
             self.stats["send_bytes"] += plan.num_bytes
             self.stats["send_descriptors"] += plan.num_descriptors
-            self.stats["send_seconds"] += time.monotonic() - started
+            self.stats["send_seconds"] += written - started
         sample, crc = (), 0
         if self.settings.verify_integrity and self._read_kv is not None:
             # Read before the pull ends: the blocks may be freed (and reused) right after.
@@ -97,8 +98,10 @@ class SideChannelWrites:
             except Exception as exc:  # the bytes moved; only the proof of it is lost
                 logger.warning("FlagCX integrity sample of %s not taken: %s",
                                pull.transfer_id, exc)
+        logical = self._logical_sample(send, pull)
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
-                            sample, crc, self._logical_sample(send, pull))
+                            sample, crc, logical,
+                            (waited, written - started, time.monotonic() - written))
 
     def _logical_sample(self, send: Send, pull: hs.PullRequest
                         ) -> tuple[integrity.LogicalEntry, ...]:

@@ -34,6 +34,7 @@ from vllm_flagcx.connector import integrity
 from vllm_flagcx.connector.ledger import STAGES, FailureLedger, _delta
 from vllm_flagcx.connector.observations import Observations
 from vllm_flagcx.connector.parked import ParkedPulls
+from vllm_flagcx.connector.pull_clock import PullClock
 from vllm_flagcx.connector.puller import Puller
 from vllm_flagcx.connector.receivers import ReceiverCache
 from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload
@@ -73,6 +74,7 @@ class WorkerSettings:
     release_hold_seconds: float = 600.0
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
     test_faults: bool = False  # honour kv_transfer_params.flagcx_test_fault (tests only)
+    log_timelines: bool = False  # one wire.timeline line per load at INFO (else DEBUG)
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
@@ -136,6 +138,7 @@ class WorkerHalf(SideChannelServer, Puller):
         self.sends = Sends()  # prefill: armed transfers, their writes and how each ended
         self._parked = ParkedPulls()  # prefill: pulls that wait for an arm or a writer
         self._done_recving: set[str] = set()
+        self._pull_clocks: dict[str, PullClock] = {}
         self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
         self._connections: dict[str, object] = {}
         # (incarnation, rank) -> the receiver as its first pull named it, with its plans
@@ -209,7 +212,20 @@ class WorkerHalf(SideChannelServer, Puller):
             self.failed_last_step = failed
             sending = self.sends.take_done()
             recving, self._done_recving = self._done_recving, set()
+            clocks = [(r, self._pull_clocks.pop(r, None)) for r in recving]
+        self._log_timelines(clocks)
         return sending, recving | failed
+
+    def _log_timelines(self, clocks: list[tuple[str, PullClock | None]]) -> None:
+        """One ``wire.timeline`` line per load reported now (INFO with
+        ``log_timelines``, else DEBUG)."""
+        level = logging.INFO if self.settings.log_timelines else logging.DEBUG
+        if not clocks or not logger.isEnabledFor(level):
+            return
+        reported = time.monotonic()
+        for request_id, clock in clocks:
+            if clock is not None:
+                logger.log(level, "%s", clock.line(request_id, reported))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
                         "instances use (default: the environment variable "
                         "FLAGCX_SIDE_CHANNEL_SECRET, else none)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-timelines", action="store_true",
+                   help="log one flagcx-timeline line per request at INFO (else DEBUG): "
+                        "where its time to first byte went (vllm_flagcx/wire/timeline.py)")
     return p
 
 
@@ -56,7 +59,8 @@ def build(args: argparse.Namespace):
         ) from None
     settings = RouterSettings(mode=args.mode, connect_timeout=args.connect_timeout,
                               prefill_timeout=args.prefill_timeout,
-                              decode_timeout=args.decode_timeout, key=key)
+                              decode_timeout=args.decode_timeout, key=key,
+                              log_timelines=args.log_timelines)
     return build_app(Proxy(prefill, decode, settings))
 
 

@@ -43,6 +43,7 @@ class RouterSettings:
     decode_timeout: float = 600.0  # between two bytes of the decode answer
     release_timeout: float = 2.0
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
+    log_timelines: bool = False  # one wire.timeline line per request at INFO (else DEBUG)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sequential", "concurrent"):

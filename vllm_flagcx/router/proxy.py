@@ -16,17 +16,15 @@ to free it instead of waiting for its lease.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from vllm_flagcx.router.flow import Flow
 from vllm_flagcx.router.legs import (
     LegError,
     RouterSettings,
@@ -34,7 +32,6 @@ from vllm_flagcx.router.legs import (
     decode_body,
     json_object,
     prefill_body,
-    sse_error,
     upstream_error,
 )
 from vllm_flagcx.router.pool import Instance, Pool, RouterConfigError
@@ -61,11 +58,14 @@ class Proxy:
         self._sheets: dict[str, tuple[str, int, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ legs
-    async def run_prefill(self, path: str, body: dict[str, Any], transfer_id: str
+    async def run_prefill(self, path: str, body: dict[str, Any], transfer_id: str,
+                          marks: dict[str, float] | None = None
                           ) -> tuple[Instance, dict[str, Any] | None]:
         instance = self.prefill.pick()
         instance.in_flight += 1
         started = time.monotonic()
+        if marks is not None:
+            marks["t_prefill_sent"] = started
         try:
             response = await self.client.post(instance.url + path,
                                               json=prefill_body(body, transfer_id),
@@ -80,7 +80,10 @@ class Proxy:
             raise LegError(502, "prefill", instance.url, f"unreachable: {exc!r}") from exc
         finally:
             instance.in_flight -= 1
-        self.counters["prefill_seconds"] += time.monotonic() - started
+        done = time.monotonic()
+        if marks is not None:
+            marks["t_prefill_done"] = done
+        self.counters["prefill_seconds"] += done - started
         if response.status_code != 200:
             instance.failed += 1
             raise LegError(response.status_code, "prefill", instance.url,
@@ -134,9 +137,12 @@ class Proxy:
             tp_size=tp_size, engine_id=engine_id, block_sizes=block_sizes)
 
     async def open_decode(self, path: str, body: dict[str, Any],
-                          params: dict[str, Any] | None) -> tuple[Instance, httpx.Response]:
+                          params: dict[str, Any] | None, marks: dict[str, float] | None = None
+                          ) -> tuple[Instance, httpx.Response]:
         """Send the decode leg; returns the open (streamed) response once headers came."""
         instance = self.decode.pick()
+        if marks is not None:
+            marks["t_decode_sent"] = time.monotonic()
         instance.in_flight += 1
         handed_over = False  # the caller owns the in-flight count once it has the response
         try:
@@ -161,6 +167,8 @@ class Proxy:
                                f"answered HTTP {response.status_code}",
                                upstream_error(response))
             handed_over = True
+            if marks is not None:
+                marks["t_headers"] = time.monotonic()
             return instance, response
         finally:
             if not handed_over:
@@ -186,16 +194,19 @@ class Proxy:
         """Both legs up to decode's response headers; raises LegError."""
         self.counters["requests"] += 1
         flow = Flow(self, transfer_id=f"flagcx-{uuid.uuid4().hex}")
+        flow.marks["t_in"] = time.monotonic()
         try:
             if self.settings.mode == "concurrent":
                 p_instance = self.prefill.pick()
                 flow.params = await self.concurrent_params(p_instance, flow.transfer_id)
                 flow.prefill_task = asyncio.create_task(
-                    self.run_prefill(path, body, flow.transfer_id))
+                    self.run_prefill(path, body, flow.transfer_id, flow.marks))
             else:
-                p_instance, flow.params = await self.run_prefill(path, body, flow.transfer_id)
+                p_instance, flow.params = await self.run_prefill(path, body, flow.transfer_id,
+                                                                 flow.marks)
                 check_advertised(p_instance, self.decode.instances, flow.params)
-            flow.instance, flow.response = await self.open_decode(path, body, flow.params)
+            flow.instance, flow.response = await self.open_decode(path, body, flow.params,
+                                                                  flow.marks)
             if flow.prefill_task is not None:
                 flow.watch_prefill()
         except LegError as exc:
@@ -210,100 +221,3 @@ class Proxy:
             await flow.abandon()
             raise
         return flow
-
-
-@dataclass
-class Flow:
-    """One request between prefill's answer and the end of decode's answer."""
-
-    proxy: Proxy
-    transfer_id: str
-    params: dict[str, Any] | None = None
-    instance: Instance | None = None
-    response: httpx.Response | None = None
-    prefill_task: asyncio.Task | None = None
-    _closing: asyncio.Future | None = None
-
-    async def abandon(self) -> None:
-        """The request ends without a decode: cancel what runs, free what is held. Once
-        decode accepted the request, its connector tells prefill itself."""
-        if self.prefill_task is not None and not self.prefill_task.done():
-            self.prefill_task.cancel()
-        accepted = self.instance is not None
-        await self.close()
-        if not accepted:
-            await self.proxy.release(self.params)
-
-    def watch_prefill(self) -> None:
-        """Concurrent mode: a failed prefill leg closes decode's answer at once (decode
-        aborts the request) instead of letting decode wait for KV that never comes."""
-        def done(task: asyncio.Task) -> None:
-            if not task.cancelled() and task.exception() is not None:
-                self._closing = asyncio.ensure_future(self.close())
-
-        assert self.prefill_task is not None
-        self.prefill_task.add_done_callback(done)
-
-    def prefill_error(self) -> LegError | None:
-        task = self.prefill_task
-        if task is None or not task.done() or task.cancelled():
-            return None
-        error = task.exception()
-        return error if isinstance(error, LegError) else None
-
-    async def close(self) -> None:
-        if self.response is not None:
-            await self.response.aclose()
-            self.response = None
-            if self.instance is not None:
-                self.instance.in_flight -= 1
-
-    async def check_prefill(self) -> None:
-        """Concurrent mode: a failed prefill leg fails the request."""
-        if self.prefill_task is not None:
-            await self.prefill_task
-
-    async def json(self) -> tuple[int, Any]:
-        assert self.response is not None and self.instance is not None
-        try:
-            data = await self.response.aread()
-            await self.check_prefill()
-        except httpx.HTTPError as exc:
-            if (error := self.prefill_error()) is not None:
-                raise error from exc
-            self.instance.failed += 1
-            self.proxy.counters["failed_decode"] += 1
-            raise LegError(502, "decode", self.instance.url, f"answer cut: {exc!r}") from exc
-        finally:
-            await self.close()
-        try:
-            parsed = json.loads(data)
-        except ValueError:
-            self.instance.failed += 1
-            self.proxy.counters["failed_decode"] += 1
-            raise LegError(502, "decode", self.instance.url,
-                           f"answered 200 with a body that is not JSON: {data[:200]!r}"
-                           ) from None
-        self.instance.served += 1
-        return 200, parsed
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        """Decode's SSE bytes as they come; an error event if decode dies midway."""
-        assert self.response is not None and self.instance is not None
-        instance = self.instance
-        try:
-            async for chunk in self.response.aiter_raw():
-                yield chunk
-            await self.check_prefill()
-            instance.served += 1
-        except httpx.HTTPError as exc:
-            if (error := self.prefill_error()) is not None:
-                yield sse_error(error)
-                return
-            instance.failed += 1
-            self.proxy.counters["failed_decode"] += 1
-            yield sse_error(LegError(502, "decode", instance.url, f"stream cut: {exc!r}"))
-        except LegError as exc:
-            yield sse_error(exc)
-        finally:
-            await self.close()

@@ -119,6 +119,9 @@ class PullReply(msgspec.Struct, frozen=True, tag="pulled"):
     sample_crc: int = 0
     # (layer, receiver block, token, global KV head, crc) of the logical sample
     logical: tuple[tuple[str, int, int, int, int], ...] = ()
+    # prefill's own seconds inside this answer: (queued before the write, the write, the
+    # integrity sample); its clock only (wire.timeline); empty from older peers
+    timings: tuple[float, ...] = ()
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):

@@ -1,0 +1,135 @@
+"""One routed request after its legs started: decode's answer passed through (JSON or
+SSE), a failed leg turned into an error naming the instance, what is held freed when the
+request ends without a decode, and the request's ``wire.timeline`` line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from vllm_flagcx.router.legs import LegError, sse_error
+from vllm_flagcx.router.pool import Instance
+from vllm_flagcx.wire import timeline
+
+if TYPE_CHECKING:
+    from vllm_flagcx.router.proxy import Proxy
+
+logger = logging.getLogger("vllm_flagcx.router")
+
+
+@dataclass
+class Flow:
+    """One request between prefill's answer and the end of decode's answer."""
+
+    proxy: Proxy
+    transfer_id: str
+    params: dict[str, Any] | None = None
+    instance: Instance | None = None
+    response: httpx.Response | None = None
+    prefill_task: asyncio.Task | None = None
+    _closing: asyncio.Future | None = None
+    # wire.timeline's t_* readings of this request (time.monotonic(), the clock rule)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def first_byte(self) -> None:
+        """Decode's first body byte reached the router: log the request's timeline."""
+        if "t_first_byte" in self.marks:
+            return
+        self.marks["t_first_byte"] = time.monotonic()
+        level = logging.INFO if self.proxy.settings.log_timelines else logging.DEBUG
+        if logger.isEnabledFor(level):
+            logger.log(level, "%s", timeline.format_line("router", self.transfer_id,
+                                                         self.marks))
+
+    async def abandon(self) -> None:
+        """The request ends without a decode: cancel what runs, free what is held. Once
+        decode accepted the request, its connector tells prefill itself."""
+        if self.prefill_task is not None and not self.prefill_task.done():
+            self.prefill_task.cancel()
+        accepted = self.instance is not None
+        await self.close()
+        if not accepted:
+            await self.proxy.release(self.params)
+
+    def watch_prefill(self) -> None:
+        """Concurrent mode: a failed prefill leg closes decode's answer at once (decode
+        aborts the request) instead of letting decode wait for KV that never comes."""
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                self._closing = asyncio.ensure_future(self.close())
+
+        assert self.prefill_task is not None
+        self.prefill_task.add_done_callback(done)
+
+    def prefill_error(self) -> LegError | None:
+        task = self.prefill_task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        error = task.exception()
+        return error if isinstance(error, LegError) else None
+
+    async def close(self) -> None:
+        if self.response is not None:
+            await self.response.aclose()
+            self.response = None
+            if self.instance is not None:
+                self.instance.in_flight -= 1
+
+    async def check_prefill(self) -> None:
+        """Concurrent mode: a failed prefill leg fails the request."""
+        if self.prefill_task is not None:
+            await self.prefill_task
+
+    async def json(self) -> tuple[int, Any]:
+        assert self.response is not None and self.instance is not None
+        try:
+            data = await self.response.aread()
+            self.first_byte()
+            await self.check_prefill()
+        except httpx.HTTPError as exc:
+            if (error := self.prefill_error()) is not None:
+                raise error from exc
+            self.instance.failed += 1
+            self.proxy.counters["failed_decode"] += 1
+            raise LegError(502, "decode", self.instance.url, f"answer cut: {exc!r}") from exc
+        finally:
+            await self.close()
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            self.instance.failed += 1
+            self.proxy.counters["failed_decode"] += 1
+            raise LegError(502, "decode", self.instance.url,
+                           f"answered 200 with a body that is not JSON: {data[:200]!r}"
+                           ) from None
+        self.instance.served += 1
+        return 200, parsed
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Decode's SSE bytes as they come; an error event if decode dies midway."""
+        assert self.response is not None and self.instance is not None
+        instance = self.instance
+        try:
+            async for chunk in self.response.aiter_raw():
+                self.first_byte()
+                yield chunk
+            await self.check_prefill()
+            instance.served += 1
+        except httpx.HTTPError as exc:
+            if (error := self.prefill_error()) is not None:
+                yield sse_error(error)
+                return
+            instance.failed += 1
+            self.proxy.counters["failed_decode"] += 1
+            yield sse_error(LegError(502, "decode", instance.url, f"stream cut: {exc!r}"))
+        except LegError as exc:
+            yield sse_error(exc)
+        finally:
+            await self.close()

@@ -1,0 +1,129 @@
+"""Per-request timelines: where a PD request's time to first token goes.
+
+Two processes write one line each per request, joined by the transfer id:
+
+* the router (``side=router``): when the request came in, its prefill leg was sent and
+  answered, its decode leg was sent, decode's headers and first body byte came back;
+* decode's connector worker (``side=decode``): when its scheduler half planned the load,
+  the pull started on a kept thread, the fact sheet was at hand, every prefill rank
+  answered (with prefill's own queue, write and integrity-sample seconds inside that
+  answer), the integrity check ended, and the step reported the load to vLLM.
+
+**The clock rule, stated once**: every ``t_*`` field is ``time.monotonic()`` seconds
+(CLOCK_MONOTONIC), which on Linux is one clock for every process of a host. Phases that
+cross processes (router to decode) are computed only between lines of one host; the
+router and decode of a cross-host deployment each still give their own phases. Durations
+measured on prefill (``p_*``) are its own differences, never compared with decode's clock.
+
+The lines are ``flagcx-timeline side=... key=value ...`` with values in seconds; written at
+INFO when ``log_timelines`` is on (decode: ``kv_connector_extra_config.log_timelines``; our
+router: ``--log-timelines``), else at DEBUG. ``breakdown`` turns a router line and a decode
+line into the phases of one request, which sum to its router-measured time to first byte.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable, Mapping
+
+MARK = "flagcx-timeline"
+
+ROUTER_FIELDS = ("t_in", "t_prefill_sent", "t_prefill_done", "t_decode_sent", "t_headers",
+                 "t_first_byte")
+DECODE_FIELDS = ("t_planned", "t_started", "t_sheet", "t_answered", "t_verified",
+                 "t_reported", "p_queued", "p_write", "p_sample")
+
+# (phase, what it covers), in the order a request goes through them
+PHASES: tuple[tuple[str, str], ...] = (
+    ("router_in", "router: request in -> prefill leg sent"),
+    ("prefill_leg", "prefill's HTTP leg: API, scheduling, the prompt's compute, answer"),
+    ("router_between", "router: prefill's answer -> decode leg sent"),
+    ("decode_to_plan", "decode's API and engine input -> its scheduler planned the load"),
+    ("plan_to_pull", "the plan reaches the worker's step -> a kept thread starts the pull"),
+    ("handshake", "prefill's fact sheet (cached after the first pull)"),
+    ("side_channel", "pull request and reply on the wire (the answer minus prefill's work)"),
+    ("prefill_queued", "prefill: the pull waited for its arm or a writer"),
+    ("prefill_write", "prefill: the transport's writes"),
+    ("prefill_sample", "prefill: reading the integrity sample"),
+    ("verify", "decode: integrity check of the reply"),
+    ("report", "pull done -> the worker's next get_finished reports it to vLLM"),
+    ("first_token", "decode's step with the last prompt token, its answer -> router"),
+)
+
+_LINE = re.compile(rf"{MARK} side=(router|decode) transfer=(\S+)((?: \w+=\S+)*)")
+
+
+class TimelineError(ValueError):
+    """A timeline line that does not parse (a field missing or not a number)."""
+
+
+def format_line(side: str, transfer_id: str, values: Mapping[str, float | str]) -> str:
+    fields = " ".join(f"{k}={v:.6f}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in values.items())
+    return f"{MARK} side={side} transfer={transfer_id} {fields}"
+
+
+def parse_lines(text: str | Iterable[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """side -> transfer id -> its numeric fields, from log text (other lines ignored;
+    a transfer logged twice keeps its last line)."""
+    lines = text.splitlines() if isinstance(text, str) else text
+    out: dict[str, dict[str, dict[str, float]]] = {"router": {}, "decode": {}}
+    for line in lines:
+        match = _LINE.search(line)
+        if match is None:
+            continue
+        side, transfer, rest = match.groups()
+        values: dict[str, float] = {}
+        for pair in rest.split():
+            key, _, raw = pair.partition("=")
+            try:
+                values[key] = float(raw)
+            except ValueError:
+                continue  # a text field (the request id)
+        out[side][transfer] = values
+    return out
+
+
+def _need(values: Mapping[str, float], fields: tuple[str, ...], side: str) -> None:
+    missing = [f for f in fields if f not in values]
+    if missing:
+        raise TimelineError(f"{side} timeline lacks {', '.join(missing)}")
+
+
+def breakdown(router: Mapping[str, float], decode: Mapping[str, float]) -> dict[str, float]:
+    """The phases (seconds) of one request from its two lines; they telescope, so their
+    sum is the router's time to first byte (``total``). Both lines come from one host
+    (the clock rule)."""
+    _need(router, ROUTER_FIELDS, "router")
+    _need(decode, DECODE_FIELDS, "decode")
+    r, d = router, decode
+    prefill_work = d["p_queued"] + d["p_write"] + d["p_sample"]
+    phases = {
+        "router_in": r["t_prefill_sent"] - r["t_in"],
+        "prefill_leg": r["t_prefill_done"] - r["t_prefill_sent"],
+        "router_between": r["t_decode_sent"] - r["t_prefill_done"],
+        "decode_to_plan": d["t_planned"] - r["t_decode_sent"],
+        "plan_to_pull": d["t_started"] - d["t_planned"],
+        "handshake": d["t_sheet"] - d["t_started"],
+        "side_channel": d["t_answered"] - d["t_sheet"] - prefill_work,
+        "prefill_queued": d["p_queued"],
+        "prefill_write": d["p_write"],
+        "prefill_sample": d["p_sample"],
+        "verify": d["t_verified"] - d["t_answered"],
+        "report": d["t_reported"] - d["t_verified"],
+        "first_token": r["t_first_byte"] - d["t_reported"],
+    }
+    phases["total"] = r["t_first_byte"] - r["t_in"]
+    return phases
+
+
+def median_breakdown(text: str) -> tuple[dict[str, float], int]:
+    """(phase -> median milliseconds over every request with both lines, how many)."""
+    lines = parse_lines(text)
+    per_request = [breakdown(router, lines["decode"][tid])
+                   for tid, router in lines["router"].items() if tid in lines["decode"]]
+    if not per_request:
+        return {}, 0
+    return ({phase: statistics.median(p[phase] for p in per_request) * 1e3
+             for phase in per_request[0]}, len(per_request))
