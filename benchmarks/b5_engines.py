@@ -61,6 +61,7 @@ def _transfers(d: Any, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for size in SIZES:
         moved, seconds = [], []
+        since = time.monotonic()
         for _ in range(repeats):
             prompt = [rng.randrange(2, 500) for _ in range(size)]
             before = demo_run.received(d.decode)
@@ -72,7 +73,10 @@ def _transfers(d: Any, repeats: int) -> list[dict[str, Any]]:
         nbytes = int(statistics.median(moved))
         copy = _device_copy_seconds(max(nbytes, 1))
         xfer = statistics.median(seconds)
+        time.sleep(0.5)  # decode writes a load's timeline line at its next step
+        phases, count = demo_run.breakdown(d.router, d.decode, since)
         rows.append({"prompt_tokens": size, "kv_bytes": nbytes, "transfer_ms": xfer * 1e3,
+                     "breakdown_ms": phases, "breakdown_requests": count,
                      "transfer_ms_all": [s * 1e3 for s in seconds],
                      "device_copy_ms": copy * 1e3,
                      "transfer_GBps": nbytes / xfer / 1e9 if xfer else 0.0,
@@ -85,11 +89,18 @@ def _serve(d: Any, num_prompts: int) -> dict[str, dict[str, Any]]:
 
     argv = [*SERVE]
     argv[argv.index("--num-prompts") + 1] = str(num_prompts)
+    from vllm_flagcx.demo import run as demo_run
+
     out = {}
     for name, url in (("pd_router", d.router.url), ("monolithic", d.prefill.url)):
+        since = time.monotonic()
         result = bench.bench_serve(["--backend", "openai", "--base-url", url, "--model",
                                     "demo", "--tokenizer", str(d.model), *argv])
         out[name] = {k: result.get(k) for k in bench.SUMMARY_KEYS}
+        if name == "pd_router":
+            time.sleep(0.5)
+            phases, count = demo_run.breakdown(d.router, d.decode, since)
+            out[name] |= {"breakdown_ms": phases, "breakdown_requests": count}
     return out
 
 
@@ -128,8 +139,27 @@ def run(quick: bool) -> dict[str, Any]:
         [(name, s["completed"], s["failed"], f"{s['mean_ttft_ms']:.1f}",
           f"{s['p99_ttft_ms']:.1f}", f"{s['mean_tpot_ms']:.2f}", f"{s['p99_tpot_ms']:.2f}")
          for name, s in serve.items()])
+    text += "\n\n" + _breakdown_text(rows, serve)
     return {"name": "b5_engines", "text": text, "engines_ready_seconds": round(ready, 1),
             "rows": rows, "serve": serve, "engine_args": list(ENGINE_ARGS)}
+
+
+def _breakdown_text(rows: list[dict[str, Any]], serve: dict[str, dict[str, Any]]) -> str:
+    """PD's time to first byte by phase (median ms, from the router's and decode's
+    ``wire.timeline`` lines), one column per prompt size and one for the serve run."""
+    from vllm_flagcx.wire import timeline
+
+    columns = [(f"{r['prompt_tokens']} tok (n={r['breakdown_requests']})", r["breakdown_ms"])
+               for r in rows]
+    pd = serve.get("pd_router", {})
+    columns.append((f"serve 8/s (n={pd.get('breakdown_requests', 0)})",
+                    pd.get("breakdown_ms", {})))
+    names = [p for p, _ in timeline.PHASES] + ["total"]
+    return report.table(
+        "PD time to first byte by phase, median ms (router + decode timelines, one clock); "
+        "transfers: max_tokens=2, not streamed, so first_token includes the whole answer",
+        ("phase", *(c for c, _ in columns)),
+        [(name, *(f"{v.get(name, 0.0):.3f}" for _, v in columns)) for name in names])
 
 
 def chart(result: dict[str, Any], out_dir: Any) -> None:

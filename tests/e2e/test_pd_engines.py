@@ -87,6 +87,37 @@ def test_vllm_bench_serve_through_the_router(pd, capsys):
     assert summary["failed"] == 0 and summary["completed"] == 20
 
 
+def test_time_to_first_byte_breakdown_from_the_product_timelines(pd, capsys):
+    """The router and decode's connector each log one ``wire.timeline`` line per request
+    (the demo turns them on); joined by transfer id they give every phase of PD's time to
+    first byte. One host, one monotonic clock: across the processes every phase is >= 0,
+    and the phases add up to the router's own total (CI prints the table each run)."""
+    from vllm_flagcx.demo.run import breakdown_table
+    from vllm_flagcx.wire import timeline
+
+    started = time.monotonic()
+    for prompt in PROMPTS:
+        with httpx.stream("POST", pd.router.url + "/v1/completions", timeout=120, json={
+                "model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            list(r.iter_lines())
+    time.sleep(0.5)  # decode's line is written at its next step
+    text = pd.router.log.read_text() + pd.decode.log.read_text()
+    lines = timeline.parse_lines(text)
+    ours = {tid: v for tid, v in lines["router"].items() if v["t_in"] >= started}
+    assert len(ours) == len(PROMPTS)
+    for tid, router_line in ours.items():
+        assert tid in lines["decode"], f"decode logged no timeline for {tid}"
+        phases = timeline.breakdown(router_line, lines["decode"][tid])
+        total = phases.pop("total")
+        assert all(v >= -1e-5 for v in phases.values()), phases
+        assert abs(sum(phases.values()) - total) < 1e-4
+    with capsys.disabled():
+        print("\nPD on CPU engines through our router (sequential):\n"
+              + breakdown_table(pd.router, pd.decode))
+
+
 def test_prefill_killed_errors_frees_decode_and_recovers_after_restart(pd, capsys):
     """Prefill dies holding KV that decode has not pulled yet (the router's two legs sent by
     hand, so the kill lands exactly between them): decode's pull fails, its blocks are

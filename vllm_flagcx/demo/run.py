@@ -40,7 +40,9 @@ def kv_config(role: str, side_channel_port: int, test_faults: bool = False,
     tests' negative controls; ``connector.fault_knobs``). ``by_name``: the connector is
     found by its registered name alone (the ``vllm.general_plugins`` entry point), as a
     user who copies the design note's JSON has it; else by module path (every build)."""
-    extra: dict[str, Any] = {"transport": "local", "side_channel_port": side_channel_port}
+    # the demo logs every load's timeline (wire.timeline): it prints where the time went
+    extra: dict[str, Any] = {"transport": "local", "side_channel_port": side_channel_port,
+                             "log_timelines": True}
     if test_faults:
         extra["test_faults"] = True
     config: dict[str, Any] = {"kv_connector": "FlagCXConnector", "kv_role": role,
@@ -265,6 +267,24 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
             return _exchange(args, prefill, decode, router)
 
 
+def breakdown(router: sv.Server, decode: sv.Server, since: float = 0.0
+              ) -> tuple[dict[str, float], int]:
+    """Median ms per phase of the PD requests that reached the router at ``since``
+    (``time.monotonic()``) or later, and how many, from the router's and decode's logs
+    (both write ``wire.timeline`` lines in the demo; one host, one clock)."""
+    from vllm_flagcx.wire import timeline
+
+    text = "\n".join(path.read_text(errors="replace") for path in (router.log, decode.log)
+                     if path.exists())
+    return timeline.median_breakdown(text, since)
+
+
+def breakdown_table(router: sv.Server, decode: sv.Server, since: float = 0.0) -> str:
+    from vllm_flagcx.wire import timeline
+
+    return timeline.table(*breakdown(router, decode, since))
+
+
 def shown(text: str) -> str:
     """An output as the table shows it; an empty one is the model's end-of-sequence
     token at once, said in words (an empty cell looked like a failure)."""
@@ -289,6 +309,7 @@ def _exchange(args: argparse.Namespace, prefill: sv.Server, decode: sv.Server,
               f"{'yes' if same else 'NO':<4} {moved:>9.0f} {seconds * 1e3:>8.2f} "
               f"{pd_s * 1e3:>7.0f}")
     print(f"\nrouter stats: {sv.get_text(router.url + '/stats')}")
+    print(breakdown_table(router, decode))
     if len({mono for _, _, mono, *_ in rows}) < len(rows):
         print("warning: the monolithic outputs do not differ between prompts (degenerate "
               "model output), so their equality with PD's shows little")

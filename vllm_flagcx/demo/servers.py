@@ -218,7 +218,7 @@ def router_server(python: str, port: int, log: Path, prefill: list[Server],
                   decode: list[Server], side_channel_port: int,
                   mode: str = "sequential") -> Server:
     argv = [python, "-m", "vllm_flagcx.cli", "router", "--host", HOST, "--port", str(port),
-            "--mode", mode]
+            "--mode", mode, "--log-timelines"]
     for i, p in enumerate(prefill):
         argv += ["--prefill", p.url, str(side_channel_port + 100 * i)]
     for d in decode:

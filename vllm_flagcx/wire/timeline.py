@@ -118,12 +118,29 @@ def breakdown(router: Mapping[str, float], decode: Mapping[str, float]) -> dict[
     return phases
 
 
-def median_breakdown(text: str) -> tuple[dict[str, float], int]:
-    """(phase -> median milliseconds over every request with both lines, how many)."""
+def median_breakdown(text: str, since: float = 0.0) -> tuple[dict[str, float], int]:
+    """(phase -> median milliseconds over every request with both lines that came in at
+    ``since`` or later on the router's clock, how many)."""
     lines = parse_lines(text)
     per_request = [breakdown(router, lines["decode"][tid])
-                   for tid, router in lines["router"].items() if tid in lines["decode"]]
+                   for tid, router in lines["router"].items()
+                   if tid in lines["decode"] and router.get("t_in", 0.0) >= since]
     if not per_request:
         return {}, 0
     return ({phase: statistics.median(p[phase] for p in per_request) * 1e3
              for phase in per_request[0]}, len(per_request))
+
+
+def table(medians: Mapping[str, float], count: int) -> str:
+    """The breakdown as text: one row per phase (median ms, share of the total, what it
+    covers), then the total."""
+    if not count:
+        return "time to first byte by phase: no request had both timeline lines"
+    total = medians.get("total", 0.0)
+    rows = [f"time to first byte by phase, median over {count} request(s) (ms):"]
+    for phase, what in PHASES:
+        value = medians.get(phase, 0.0)
+        share = f"{100 * value / total:5.1f} %" if total > 0 else "    -"
+        rows.append(f"  {phase:<15} {value:9.3f}  {share}  {what}")
+    rows.append(f"  {'total':<15} {total:9.3f}  (medians of phases need not sum to it)")
+    return "\n".join(rows)
