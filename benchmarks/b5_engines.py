@@ -6,8 +6,10 @@ prompts (fresh random ids each repeat, so decode's prefix cache never serves one
 bytes and seconds decode's connector counted for the request (``vllm:flagcx_received_*``:
 side-channel round trip, the writes, the integrity check), against a device-to-device copy
 of the same number of bytes in the same run. Then ``vllm bench serve`` (random dataset)
-through the router (PD) and straight at the prefill engine (monolithic: a request without
-``kv_transfer_params`` is plain vLLM there): TTFT and TPOT side by side.
+through the router (PD, sequential and concurrent mode) and straight at the prefill engine
+(monolithic: a request without ``kv_transfer_params`` is plain vLLM there): TTFT and TPOT
+side by side. Last, PD's time to first byte by phase (``wire.timeline``: the router's and
+decode's lines joined by transfer id), per prompt size and under the serve load.
 
 Needs a CUDA GPU and a CUDA vLLM; elsewhere it reports itself as not run.
 """
@@ -84,7 +86,7 @@ def _transfers(d: Any, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _serve(d: Any, num_prompts: int) -> dict[str, dict[str, Any]]:
+def _serve(d: Any, num_prompts: int, concurrent_url: str) -> dict[str, dict[str, Any]]:
     from vllm_flagcx.compat import bench
 
     argv = [*SERVE]
@@ -92,7 +94,8 @@ def _serve(d: Any, num_prompts: int) -> dict[str, dict[str, Any]]:
     from vllm_flagcx.demo import run as demo_run
 
     out = {}
-    for name, url in (("pd_router", d.router.url), ("monolithic", d.prefill.url)):
+    for name, url in (("pd_router", d.router.url), ("pd_concurrent", concurrent_url),
+                      ("monolithic", d.prefill.url)):
         since = time.monotonic()
         result = bench.bench_serve(["--backend", "openai", "--base-url", url, "--model",
                                     "demo", "--tokenizer", str(d.model), *argv])
@@ -119,12 +122,17 @@ def run(quick: bool) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="b5-"))
     d = engines.Deployment(workdir, "sliding", "bfloat16", engine_args=ENGINE_ARGS,
                            cpu_isa="auto", max_model_len=MAX_MODEL_LEN)
+    # our router's concurrent mode too: decode's leg starts with prefill's, its pull waits
+    # at prefill's side channel until the KV is ready (no breakdown: the legs overlap)
+    concurrent = sv.router_server(sys.executable, engines.rs.free_port(),
+                                  workdir / "router-concurrent.log", [d.prefill], [d.decode],
+                                  d.side, mode="concurrent")
     with sv.running([d.prefill, d.decode]):
         ready = sv.wait_healthy([d.prefill, d.decode], engines.START_TIMEOUT)
-        with sv.running([d.router]):
-            sv.wait_healthy([d.router], 60)
+        with sv.running([d.router, concurrent]):
+            sv.wait_healthy([d.router, concurrent], 60)
             rows = _transfers(d, 2 if quick else 5)
-            serve = _serve(d, 16 if quick else 64)
+            serve = _serve(d, 16 if quick else 64, concurrent.url)
     text = report.table(
         "B5 KV transfer inside real engines (CUDA vLLM, FLASH_ATTN bf16, CUDA IPC) vs a "
         "device copy of the same bytes",
@@ -133,9 +141,10 @@ def run(quick: bool) -> dict[str, Any]:
           f"{r['device_copy_ms']:.3f}", f"{r['transfer_GBps']:.1f}",
           f"{r['device_copy_GBps']:.1f}") for r in rows])
     text += "\n\n" + report.table(
-        "vllm bench serve (random 1024 in / 64 out, 8 req/s): PD through the router vs the "
-        "monolithic engine", ("run", "completed", "failed", "mean TTFT ms", "p99 TTFT ms",
-                              "mean TPOT ms", "p99 TPOT ms"),
+        "vllm bench serve (random 1024 in / 64 out, 8 req/s): PD through the router "
+        "(sequential, concurrent) vs the monolithic engine",
+        ("run", "completed", "failed", "mean TTFT ms", "p99 TTFT ms", "mean TPOT ms",
+         "p99 TPOT ms"),
         [(name, s["completed"], s["failed"], f"{s['mean_ttft_ms']:.1f}",
           f"{s['p99_ttft_ms']:.1f}", f"{s['mean_tpot_ms']:.2f}", f"{s['p99_tpot_ms']:.2f}")
          for name, s in serve.items()])

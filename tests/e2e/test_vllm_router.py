@@ -163,7 +163,7 @@ def test_decode_publishes_kv_events_for_the_blocks_the_connector_filled(pd):
     connector adds none of its own (they would repeat the same hashes). Checked: every
     full prompt block, in every KV cache group, with decode computing no prompt token."""
     pd.events.drain(1.0)  # what earlier tests left
-    prompt = [100 + (7 * i) % 900 for i in range(300)]  # token ids no test sent before
+    prompt = [100 + (7 * i) % 400 for i in range(300)]  # distinct ids, never sent before
     before = local_prompt_tokens(pd.decode)
     received = demo_run.received(pd.decode)
     r = complete(pd.external.url, prompt, max_tokens=2)
