@@ -259,11 +259,17 @@ def test_a_decode_leg_that_never_comes_frees_prefill_at_the_first_lease(pd, caps
         assert time.monotonic() < started + 5, "prefill never reported the held blocks"
         time.sleep(0.1)
     deadline = started + settings.lease_seconds
-    while gauge(pd.prefill, "vllm:flagcx_expired_leases_total") <= expired_before:
-        assert held_blocks(pd.prefill), "prefill freed the blocks with no lease expiry"
+    while held_blocks(pd.prefill):
         assert time.monotonic() < deadline, "prefill's lease did not expire by lease_seconds"
         time.sleep(0.2)
     took = time.monotonic() - started
+    # the usage gauge and the expiry counter are two scrapes of one step's stats: the
+    # counter is read after the blocks are seen free, never before (a read in between
+    # would race the step that frees them)
+    counted_by = time.monotonic() + 5
+    while gauge(pd.prefill, "vllm:flagcx_expired_leases_total") <= expired_before:
+        assert time.monotonic() < counted_by, "prefill freed the blocks with no lease expiry"
+        time.sleep(0.2)
     with capsys.disabled():
         print(f"\nno decode leg: prefill's lease expired after {took:.1f} s (first lease "
               f"{settings.first_lease_seconds:g} s, lease {settings.lease_seconds:g} s)")
