@@ -15,7 +15,6 @@ import typing
 import pytest
 
 from vllm_flagcx.compat import capabilities as caps_module
-from vllm_flagcx.compat import probe
 from vllm_flagcx.compat.capabilities import Capabilities, capabilities
 from vllm_flagcx.compat.moved import MOVED_NAMES
 from vllm_flagcx.compat.probe import FEATURES, FEATURES_BY_KEY, FeatureProbe
@@ -62,7 +61,7 @@ def _usage() -> tuple[set[str], set[str], set[str], set[str]]:
         resolved |= _calls(fn, "resolve")
         optional |= _calls(fn, "optional")
         inspected |= _calls(fn, "resolve") | _calls(fn, "optional")
-    for helper in ("_scheduler_source",):
+    for helper in ("_scheduler_source", "installed_platform_traits"):
         resolved |= _calls(functions[helper], "resolve")
     return resolved, optional, features, inspected
 
@@ -92,13 +91,13 @@ def test_each_feature_is_probed_once(monkeypatch):
     monkeypatch.setitem(FEATURES_BY_KEY, "mamba_type",
                         FeatureProbe(original.key, original.group, counting, original.required,
                                      original.provide))
-    probe.clear_caches()
+    caps_module.clear_caches()
     try:
         assert capabilities().mamba_type == capabilities().mamba_type == original.probe()
         assert counted == [1]
     finally:
         monkeypatch.undo()
-        probe.clear_caches()
+        caps_module.clear_caches()
 
 
 def test_no_feature_is_probed_outside_the_capabilities_object():

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from vllm_flagcx import doctor
+from vllm_flagcx.compat import capabilities as capabilities_mod
 from vllm_flagcx.compat import probe
 
 
@@ -35,7 +36,7 @@ def test_doctor_json(matrix_build):
 def test_doctor_names_a_removed_capability(monkeypatch):
     base = sys.modules[probe.MOVED_BY_KEY["SupportsHMA"].candidates[0].split(":")[0]]
     monkeypatch.delattr(base, "SupportsHMA")
-    probe.clear_caches()
+    capabilities_mod.clear_caches()
     try:
         out = io.StringIO()
         assert doctor.main([], out=out) == 1
@@ -45,7 +46,7 @@ def test_doctor_names_a_removed_capability(monkeypatch):
         assert "required capability(ies) MISSING: SupportsHMA" in text
     finally:
         monkeypatch.undo()
-        probe.clear_caches()
+        capabilities_mod.clear_caches()
 
 
 def test_doctor_console_script_runs():

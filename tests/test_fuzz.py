@@ -106,7 +106,7 @@ def test_side_channel_survives_fuzzed_messages_and_still_serves_a_real_request()
                 answer = hs.decode(sock.recv())
                 assert isinstance(answer, hs.Message.__args__), (case, frames)  # type: ignore[attr-defined]
             sock.close()
-        assert p.workers[0]._server.is_alive()
+        assert p.workers[0].server is not None and p.workers[0].server.alive
         answer = client.ask(context, "127.0.0.1", port,
                             hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0), 5.0)
         assert isinstance(answer, hs.HandshakeReply)

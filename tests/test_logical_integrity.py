@@ -97,9 +97,8 @@ def _run_swapped(monkeypatch, policy: str | None, logical_check: bool):
     _swap_two_heads(monkeypatch)
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense")
-    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", failure_policy=policy)
-    if not logical_check:
-        d.workers[0].views = {}
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", failure_policy=policy,
+                          logical_check=logical_check)
     return p, d
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_flagcx.compat import capabilities as capabilities_mod
 from vllm_flagcx.compat import probe
 from vllm_flagcx.compat.moved import MOVED_NAMES
 
@@ -68,7 +69,7 @@ def test_missing_name_error_says_what_to_provide(monkeypatch):
     text = str(err.value)
     assert "NotInVllm" in text and "vllm.no_such_module:Thing" in text
     assert "a Thing for the test" in text
-    probe.clear_caches()
+    capabilities_mod.clear_caches()
 
 
 def test_worker_metadata_shim_where_absent(matrix_build):

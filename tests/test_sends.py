@@ -5,7 +5,7 @@ the transfer's blocks is in flight (decode reuses the blocks once acknowledged).
 from __future__ import annotations
 
 from vllm_flagcx.connector import sends as S
-from vllm_flagcx.connector.scheduler import SendTask
+from vllm_flagcx.connector.metadata import SendTask
 
 
 def _armed(transfer_id="t1", request_id="r1", deadline=100.0, **kw):

@@ -65,7 +65,7 @@ def test_without_the_secret_the_handshake_reveals_nothing(secret_file):
         sock.send(b"anything")
         assert not sock.poll(1000)
         sock.close()
-        assert p.workers[0]._zap.refused >= 1
+        assert p.workers[0].server.curve_refusals >= 1
         assert p.workers[0].stats["unauthenticated_messages"] == 0  # none got through
     finally:
         p.shutdown()

@@ -105,7 +105,7 @@ def test_pulls_for_unknown_ids_are_capped_and_never_block_an_armed_transfer():
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, lease_seconds=30.0, model="dense")
     d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
-    p.workers[0]._parked = ParkedPulls(max_pulls=2)
+    p.workers[0].server.parked = ParkedPulls(max_pulls=2)
     try:
         good = p.workers[0].sheet
         waiting = _park_bare_pulls(port, good, ["unknown-0", "unknown-1"])
@@ -128,13 +128,13 @@ def test_a_replayed_pull_takes_one_parking_slot():
     the parking never fills and a different pull still parks."""
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, lease_seconds=30.0, model="dense")
-    p.workers[0]._parked = ParkedPulls(max_pulls=4)
+    p.workers[0].server.parked = ParkedPulls(max_pulls=4)
     try:
         good = p.workers[0].sheet
         waiting = _park_bare_pulls(port, good, ["replayed"] * 20)
-        assert len(p.workers[0]._parked) == 1
+        assert len(p.workers[0].server.parked) == 1
         waiting += _park_bare_pulls(port, good, ["another"])
-        assert len(p.workers[0]._parked) == 2
+        assert len(p.workers[0].server.parked) == 2
         assert p.workers[0].stats["pulls_refused_parking_full"] == 0
         for sock in waiting:
             sock.close()

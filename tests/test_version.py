@@ -108,5 +108,7 @@ def test_hygon_and_metax_platform_classification():
 
 
 def test_installed_platform_is_read():
-    traits = v.installed_platform_traits()
+    from vllm_flagcx.compat import probe
+
+    traits = probe.installed_platform_traits()
     assert traits.enum_name in {"CPU", "UNSPECIFIED", "CUDA", "ROCM", "OOT"}

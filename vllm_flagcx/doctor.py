@@ -22,7 +22,7 @@ def collect() -> dict[str, Any]:
     from vllm_flagcx.matrix import build_for_version
 
     vllm_version = version.installed_version()
-    traits = version.installed_platform_traits()
+    traits = probe.installed_platform_traits()
     reports = probe.capability_reports()
     build = build_for_version(vllm_version.raw)
     mismatches: dict[str, dict[str, str]] = {}

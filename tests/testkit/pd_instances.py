@@ -187,14 +187,16 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                    attn_layout: str = "flash_hnd",
                    failure_policy: str | None = None,
                    release_hold_seconds: float = 600.0, multi: bool = False,
-                   dp_rank: int = 0) -> Instance:
+                   dp_rank: int = 0, logical_check: bool = True) -> Instance:
     """``secret_file``: the side-channel secret (wire.auth) for the scheduler (through
     the extra config) and the workers. ``failure_policy``: vLLM's
     ``kv_load_failure_policy`` where this build has it (None: the build's default).
     ``multi``: the scheduler's connector is vLLM's MultiConnector holding FlagCXConnector
     as its one child (how NVIDIA Dynamo takes a connector it does not name). ``dp_rank``:
     this instance is that data-parallel rank of a DP deployment (vLLM's ParallelConfig);
-    its workers bind the side-channel port the product's scheduler half advertises."""
+    its workers bind the side-channel port the product's scheduler half advertises.
+    ``logical_check=False``: the workers register no attention views, so the logical
+    integrity sample is neither sent nor checked (the byte sample still is)."""
     hybrid = model == "hybrid"
     key = auth.load_key(secret_file)
     if secret_file:
@@ -293,6 +295,7 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
         ratios = [kernel_ratio] * len(caches.config.kv_cache_groups)
         views = kv_views.attention_views(caches.caches, caches.config, KV_HEADS, dims, ratios)
         worker.register_regions(regions, serve=role == "kv_producer",
-                                logical_num_blocks=caches.config.num_blocks, views=views)
+                                logical_num_blocks=caches.config.num_blocks,
+                                views=views if logical_check else None)
         workers.append(worker)
     return Instance(scheduler, workers, ranks, tp)

@@ -14,7 +14,7 @@ import functools
 from functools import cached_property
 from typing import Literal, cast
 
-from vllm_flagcx.compat.probe import FEATURES_BY_KEY
+from vllm_flagcx.compat.probe import FEATURES_BY_KEY, locate
 
 Absent = Literal["absent"]
 
@@ -136,3 +136,9 @@ class Capabilities:
 def capabilities() -> Capabilities:
     """The one Capabilities object of this process."""
     return Capabilities()
+
+
+def clear_caches() -> None:
+    """Forget resolved names and probed features (tests that hide a capability call this)."""
+    locate.cache_clear()
+    capabilities.cache_clear()

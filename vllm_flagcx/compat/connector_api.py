@@ -46,7 +46,7 @@ def _base_takes_kv_cache_config() -> bool:
     return capabilities().connector_kv_cache_config_arg != "absent"
 
 
-class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):
+class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, valid-type]
     """Base of FlagCXConnector: one class body that every supported vLLM accepts."""
 
     prefer_cross_layer_blocks = False

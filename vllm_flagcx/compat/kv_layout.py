@@ -103,9 +103,9 @@ def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int
                       else int(k[0].numel() * k.element_size()) // heads)
         # NHD (heads inside each token): moves whole blocks only, so between equal TP
         # sizes; a peer with another TP size is refused by the section name.
-        common = dict(layer=name, group=group, kind=kind, num_blocks=int(k.shape[0]),
-                      heads=heads, global_heads=total_kv_heads, head_bytes=head_bytes,
-                      interleaved=not hnd)
+        common: dict[str, Any] = dict(
+            layer=name, group=group, kind=kind, num_blocks=int(k.shape[0]), heads=heads,
+            global_heads=total_kv_heads, head_bytes=head_bytes, interleaved=not hnd)
         if cache.stride(kv_dim) > cache.stride(1 - kv_dim):
             return R.attention_layer_first(k_base=k.data_ptr(), v_base=v.data_ptr(),
                                            block_stride=_nbytes_stride(k, 0), **common)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_flagcx.compat import version
 from vllm_flagcx.compat.moved import MOVED_BY_KEY, MOVED_NAMES, MovedName
 
 ABSENT = "absent"
@@ -66,8 +67,9 @@ def resolve(key: str) -> Any:
     return obj
 
 
-def optional(key: str) -> Any | None:
-    """The object behind an optional moved name, or None."""
+def optional(key: str) -> Any:
+    """The object behind an optional moved name, or None (typed ``Any``: vLLM's own
+    objects, unknown to the type checker here)."""
     return locate(key)[1]
 
 
@@ -163,9 +165,7 @@ def _hma_default() -> str:
     # Behaviour without a probe-able trace: in 0.22 VllmConfig started importing the
     # connector class to keep HMA on for SupportsHMA connectors. A test builds a real
     # VllmConfig in every env and checks this label against the resolved flag.
-    from vllm_flagcx.compat.version import installed_version
-
-    return "auto" if installed_version().at_least("0.22") else "off_with_connector"
+    return "auto" if version.installed_version().at_least("0.22") else "off_with_connector"
 
 
 def _conv_layouts() -> str:
@@ -389,9 +389,6 @@ def profile() -> dict[str, str]:
     return {r.key: r.where for r in capability_reports()}
 
 
-def clear_caches() -> None:
-    """Forget resolved names and probed features (tests that hide a capability call this)."""
-    from vllm_flagcx.compat.capabilities import capabilities
-
-    locate.cache_clear()
-    capabilities.cache_clear()
+def installed_platform_traits() -> version.PlatformTraits:
+    """``version.platform_traits`` of the running vLLM's ``current_platform``."""
+    return version.platform_traits(resolve("current_platform"))

@@ -34,6 +34,7 @@ back (measured: every such request leaked its blocks). ``free_finished_load`` do
 from __future__ import annotations
 
 import sys
+import types
 import weakref
 from typing import Any
 
@@ -51,7 +52,7 @@ def find_owning_scheduler(max_depth: int = 24) -> Any | None:
         from vllm.v1.core.sched.interface import SchedulerInterface
     except ImportError:
         return None
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return None

@@ -149,9 +149,3 @@ def platform_traits(platform: object) -> PlatformTraits:
         enum_name=enum_name,
         is_cuda_alike=bool(cuda_alike()) if callable(cuda_alike) else False,
     )
-
-
-def installed_platform_traits() -> PlatformTraits:
-    from vllm_flagcx.compat.probe import resolve
-
-    return platform_traits(resolve("current_platform"))

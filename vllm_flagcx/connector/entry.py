@@ -33,8 +33,8 @@ from vllm_flagcx.compat.connector_api import (
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
+from vllm_flagcx.connector.metadata import FlagCXMetadataPayload, RequestId
 from vllm_flagcx.connector.scheduler import (
-    FlagCXMetadataPayload,
     SchedulerHalf,
     SchedulerSettings,
     reports_failures_per_request,
@@ -55,15 +55,15 @@ class FlagCXConnectorMetadata(KVConnectorMetadata):
         self.payload = payload or FlagCXMetadataPayload()
 
     @property
-    def preempted_req_ids(self) -> set[str]:
+    def preempted_req_ids(self) -> set[RequestId]:
         return self.payload.preempted_req_ids
 
     @preempted_req_ids.setter
     def preempted_req_ids(self, value: set[str]) -> None:
-        self.payload.preempted_req_ids = set(value)
+        self.payload.preempted_req_ids = {RequestId(r) for r in value}
 
 
-class FlagCXWorkerMetadata(KVConnectorWorkerMetadata):
+class FlagCXWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc, valid-type]
     """Worker -> scheduler: requests whose receive failed this step (hybrid models)."""
 
     def __init__(self, failed_recving: set[str] | None = None) -> None:
@@ -82,10 +82,10 @@ def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[st
         return
     _LOGGED.add(engine_id)
     from vllm_flagcx.compat import mamba as compat_mamba
-    from vllm_flagcx.compat import version
+    from vllm_flagcx.compat import probe, version
 
     v = version.installed_version()
-    vendor = version.classify_vendor(version.installed_platform_traits(), v)
+    vendor = version.classify_vendor(probe.installed_platform_traits(), v)
     logger.info("FlagCXConnector: vLLM %s (vendor %s), HMA %s, conv layout %s, KV cache "
                 "groups %s, engine %s", v.raw, vendor, hma_state(vllm_config),
                 compat_mamba.conv_state_layout(), group_kinds, engine_id)
@@ -150,6 +150,12 @@ class FlagCXConnector(PortableConnectorBase):
             compat_kv.group_facts(kv_cache_config) if kv_cache_config else [])
 
     # ---------------------------------------------------------------- scheduler side
+    def _scheduler_half(self) -> SchedulerHalf:
+        if self.scheduler is None:
+            raise RuntimeError("FlagCXConnector: a scheduler-side call on the worker-role "
+                               "connector (vLLM builds one of each role)")
+        return self.scheduler
+
     def on_new_request(self, request: Any) -> None:
         """vLLM 0.22+ calls this first for a new request (0.34: before its own code reads
         ``kv_transfer_params`` as a mapping): non-object params (reachable through
@@ -160,22 +166,22 @@ class FlagCXConnector(PortableConnectorBase):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_half().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_half().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return FlagCXConnectorMetadata(self.scheduler.build_payload())
+        return FlagCXConnectorMetadata(self._scheduler_half().build_payload())
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self._scheduler_half().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        self.scheduler.update_connector_output(
+        self._scheduler_half().update_connector_output(
             getattr(connector_output, "finished_sending", None),
             getattr(connector_output, "finished_recving", None),
             meta.failed_recving if isinstance(meta, FlagCXWorkerMetadata) else None)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -111,7 +111,7 @@ def _local(layers: list[tuple[Any, list[tuple[int, int, int]], int]]) -> list[li
     return crcs_batched(lookups)
 
 
-def logical_sample(views: dict[str, Any], sender_ids: list[list[int]],
+def logical_sample(views: Mapping[str, Any], sender_ids: list[list[int]],
                    receiver_ids: list[list[int]], offsets: list[int | None],
                    rank: int, tp: int, peer_rank: int, peer_tp: int) -> tuple[LogicalEntry, ...]:
     """Prefill: the keys of this (rank, peer rank) pair with the crc of each as THIS side
@@ -135,7 +135,7 @@ def logical_sample(views: dict[str, Any], sender_ids: list[list[int]],
                  for (k, _), c in zip(rows[name], layer_crcs, strict=True))
 
 
-def logical_mismatch(views: dict[str, Any], entries: list[LogicalEntry],
+def logical_mismatch(views: Mapping[str, Any], entries: list[LogicalEntry],
                      block_ids: list[list[int]], rank: int, tp: int) -> str | None:
     """Decode: why the request's bytes are not prefill's (a refused key or the first
     differing element), or None when every key matches."""

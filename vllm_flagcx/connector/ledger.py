@@ -11,16 +11,13 @@ import threading
 import time
 from collections import defaultdict, deque
 
+from vllm_flagcx.connector.counters import delta
+
 logger = logging.getLogger("vllm_flagcx")
 
 # Where a decode-side receive can fail. (Registration fails at startup, loudly; a failed
 # prefill-side write reaches decode as a failed pull reply; both are counted in stats.)
 STAGES = ("handshake", "recv")
-
-
-def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    """Counters that changed since ``before`` (stats are sent to vLLM as deltas)."""
-    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 class FailureLedger:
@@ -43,12 +40,12 @@ class FailureLedger:
             self.recent.append((time.monotonic(), stage, request_id, error))
         logger.warning("FlagCX %s failure for request %s: %s", stage, request_id, error)
 
-    def take_counts(self) -> dict[str, int]:
+    def take_counts(self) -> dict[str, float]:
         """Failures by stage since the previous call (for stats)."""
         with self._lock:
-            delta = _delta(self.counts, self._last_counts)
+            changed = delta(self.counts, self._last_counts)
             self._last_counts = dict(self.counts)
-        return delta
+        return changed
 
     def drain(self) -> tuple[set[str], set[int]]:
         with self._lock:

@@ -1,12 +1,14 @@
 """Decode's puller: handshake with prefill, pull every prefill rank, verify, release.
 
-Each pull runs on one of the worker's kept threads (``connector.task_threads``) and always
-ends its request: finished (``_done_recving``) or failed in the ``FailureLedger`` after
+Each pull runs on one of its kept threads (``connector.task_threads``) and always
+ends its request: finished (``take_finished``) or failed in the ``FailureLedger`` after
 prefill confirmed that no write is in flight (``_fail_after_release``); an unexpected error
 fails it too (``_pull_guarded``). A reply's integrity sample is read only inside this worker's own
 registered KV caches.
 
-A mixin of ``worker.WorkerHalf``; its state is created in ``WorkerHalf.__init__``.
+It owns its side-channel connections (one kept per prefill rank), the cached fact sheets
+of the prefills it pulls from, its threads and the loads finished since the last step; the
+ledger, counters and observations are shared with the worker that built it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ import time
 from typing import Any
 
 from vllm_flagcx.connector import fault_knobs, integrity
+from vllm_flagcx.connector.counters import Counters
+from vllm_flagcx.connector.ledger import FailureLedger
+from vllm_flagcx.connector.metadata import RecvTask, RequestId, TransferId
 from vllm_flagcx.connector.observations import Observations
 from vllm_flagcx.connector.pull_clock import PullClock
-from vllm_flagcx.connector.scheduler import RecvTask
+from vllm_flagcx.connector.registration import Registration
+from vllm_flagcx.connector.task_threads import TaskThreads
+from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire import params as wire_params
+from vllm_flagcx.wire.params import RemotePrefill
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -30,18 +38,46 @@ SLOW_HANDSHAKE_SECONDS = 1.0
 
 
 class Puller:
-    """Decode side of ``WorkerHalf`` (see the module docstring)."""
+    """Decode's loads for one TP rank (see the module docstring)."""
 
-    settings: Any
-    views: dict[str, Any]
-    stats: Any
-    observations: Observations
-    _zmq: Any
-    _channels: client.Channels | None
-    ledger: Any
-    _lock: threading.Lock
-    _done_recving: set[str]
-    _pull_clocks: dict[str, PullClock]  # finished pulls' clocks, until get_finished
+    def __init__(self, settings: WorkerSettings, registration: Registration,
+                 ledger: FailureLedger, counters: Counters,
+                 observations: Observations) -> None:
+        self._settings = settings
+        self._registration = registration
+        self._ledger = ledger
+        self._counters = counters
+        self._observations = observations
+        self._lock = threading.Lock()
+        self._zmq: Any = None  # zmq.Context, made by the first pull (imports stay cheap)
+        self._channels: client.Channels | None = None  # kept side-channel connections
+        self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
+        self._finished: dict[RequestId, PullClock | None] = {}  # until take_finished
+        self._tasks = TaskThreads()  # pulls and releases run on kept threads
+        self._stop = threading.Event()
+
+    def submit_pull(self, task: RecvTask) -> None:
+        self._tasks.submit(self._pull_guarded, task)
+
+    def submit_release(self, transfer_id: TransferId, remote: RemotePrefill) -> None:
+        self._tasks.submit(self._release, transfer_id, remote,
+                           self._settings.handshake_timeout)
+
+    def take_finished(self) -> dict[RequestId, PullClock | None]:
+        """Loads that ended since the previous call, each with its clock (None: ended
+        without a pull, e.g. dropped by a test fault)."""
+        with self._lock:
+            finished, self._finished = self._finished, {}
+        return finished
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._tasks.shutdown(timeout=2.0)
+        if self._channels is not None:
+            self._channels.close()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
 
     def _ask(self, host: str, port: int, message: hs.Message, timeout: float) -> hs.Message:
         """One exchange with a prefill rank over the connection kept for it."""
@@ -54,18 +90,18 @@ class Puller:
                 self._channels = client.Channels(self._zmq)
             channels = self._channels
         return channels.ask(host, port, message, timeout,
-                            probe_every=self.settings.peer_probe_seconds,
-                            key=self.settings.key)
+                            probe_every=self._settings.peer_probe_seconds,
+                            key=self._settings.key)
 
     def _remote_sheet(self, host: str, port: int) -> hs.FactSheet:
         key = (host, port)
         cached = self._peer_sheets.get(key)
-        if cached is None or time.monotonic() - cached[0] > self.settings.peer_ttl:
+        if cached is None or time.monotonic() - cached[0] > self._settings.peer_ttl:
             started = time.monotonic()
             reply = self._ask(host, port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0),
-                              self.settings.handshake_timeout)
+                              self._settings.handshake_timeout)
             took = time.monotonic() - started
-            self.observations.observe("handshake_seconds", took)
+            self._observations.observe("handshake_seconds", took)
             if took > SLOW_HANDSHAKE_SECONDS:
                 logger.warning("FlagCX handshake with prefill %s:%d took %.1f s (a busy or "
                                "CPU-starved prefill worker answers late)", host, port, took)
@@ -80,7 +116,7 @@ class Puller:
         """``_pull``, and whatever it raises (a bug, a value nobody checked) fails the
         request: a pull thread that died silently left its request waiting forever with
         its blocks."""
-        self.observations.pull_started()
+        self._observations.pull_started()
         try:
             self._pull(task)
         except Exception as exc:
@@ -89,24 +125,25 @@ class Puller:
             try:
                 self._fail_after_release(task, flat, error)
             except Exception:
-                self.ledger.record("recv", task.request_id, flat, error)
+                self._ledger.record("recv", task.request_id, flat, error)
         finally:
-            self.observations.pull_ended()
+            self._observations.pull_ended()
 
     def _pull(self, task: RecvTask) -> None:
+        reg = self._registration
         flat = [b for g in task.block_ids for b in g]
         remote = task.remote
         started = time.monotonic()
         clock = PullClock(remote.transfer_id, task.planned_at or started, started)
         try:
-            fault = fault_knobs.requested_fault(remote.test_fault, self.settings.test_faults)
+            fault = fault_knobs.requested_fault(remote.test_fault, self._settings.test_faults)
         except fault_knobs.FaultKnobError as exc:
             self._fail_after_release(task, flat, str(exc))
             return
         if fault == "drop_all":
-            self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
+            self._release(remote.transfer_id, remote, self._settings.handshake_timeout)
             with self._lock:
-                self._done_recving.add(task.request_id)
+                self._finished[task.request_id] = None
             return
         try:
             p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
@@ -119,19 +156,19 @@ class Puller:
                     f"{p_sheet.engine_id!r}, the request's kv_transfer_params name "
                     f"remote_engine_id={remote.remote_engine_id!r}: that port serves another "
                     "instance (pass prefill's returned kv_transfer_params unchanged)")
-            hs.check_compatible(self.sheet, p_sheet, skip_hash=self.settings.skip_compat_hash)
+            hs.check_compatible(reg.sheet, p_sheet, skip_hash=self._settings.skip_compat_hash)
         except (hs.HandshakeError, TimeoutError, OSError) as exc:
             self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
-            self.ledger.record("handshake", task.request_id, flat,
+            self._ledger.record("handshake", task.request_id, flat,
                                str(exc) + wire_params.loopback_hint(remote.remote_host))
             if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
-                self._release(remote.transfer_id, remote, self.settings.handshake_timeout)
+                self._release(remote.transfer_id, remote, self._settings.handshake_timeout)
             return
         clock.sheet = time.monotonic()
         # Every P rank is asked, also those holding nothing for this rank (replicated
         # heads): they answer at once, and each P rank then knows when all D ranks pulled.
         senders = range(p_sheet.tp_size)
-        request = hs.PullRequest(remote.transfer_id, self.sheet,
+        request = hs.PullRequest(remote.transfer_id, reg.sheet,
                                  tuple(tuple(g) for g in task.block_ids),
                                  tuple(task.offsets))
         total = descriptors = 0
@@ -140,7 +177,7 @@ class Puller:
             asked = time.monotonic()
             try:
                 reply = self._ask(remote.remote_host, remote.remote_port + p_rank, request,
-                                  self.settings.recv_timeout)
+                                  self._settings.recv_timeout)
                 clock.asking += time.monotonic() - asked
             except (TimeoutError, OSError, hs.HandshakeError) as exc:
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {exc}")
@@ -156,22 +193,23 @@ class Puller:
                 return
             checked = self._integrity_checked()
             if checked and reply.num_descriptors and not reply.sample:
-                self.stats["integrity_failures"] += 1
+                self._counters.add("integrity_failures")
                 self._fail_after_release(task, flat, (
                     f"P rank {p_rank} wrote {reply.num_descriptors} descriptors and sent no "
                     "integrity sample: the load is unproven (is verify_integrity false on "
                     "prefill? set it the same on both instances)"))
                 return
-            if reply.sample and checked:
-                stray = integrity.outside(list(reply.sample), self._storages)
+            read_kv = reg.read_kv
+            if reply.sample and checked and read_kv is not None:
+                stray = integrity.outside(list(reply.sample), list(reg.storages))
                 if stray is not None:
                     self._fail_after_release(task, flat, (
                         f"P rank {p_rank}: the reply's integrity sample names {stray[1]} "
                         f"bytes at {stray[0]:#x}, outside this worker's KV caches"))
                     return
-                got = integrity.checksum(list(reply.sample), self._read_kv)
+                got = integrity.checksum(list(reply.sample), read_kv)
                 if got != reply.sample_crc:
-                    self.stats["integrity_failures"] += 1
+                    self._counters.add("integrity_failures")
                     self._fail_after_release(task, flat, (
                         f"P rank {p_rank}: integrity check failed (crc {got:#x} != "
                         f"{reply.sample_crc:#x}): the transport reported success but bytes "
@@ -181,39 +219,38 @@ class Puller:
             total += reply.num_bytes
             descriptors += reply.num_descriptors
             entries += reply.logical
-        if self.settings.verify_integrity:
+        if self._settings.verify_integrity:
             mismatch = integrity.logical_mismatch(
-                self.views, entries, [list(g) for g in task.block_ids],
-                self.settings.tp_rank, self.settings.tp_size)
-            self.stats["integrity_logical_keys"] += len(entries)
+                reg.views, entries, [list(g) for g in task.block_ids],
+                self._settings.tp_rank, self._settings.tp_size)
+            self._counters.add("integrity_logical_keys", len(entries))
             if mismatch is not None:
-                self.stats["integrity_failures"] += 1
+                self._counters.add("integrity_failures")
                 self._fail_after_release(task, flat, mismatch)
                 return
         if fault == "corrupt_block":
             fault_knobs.corrupt_first_block(
-                self.regions, task.block_ids,
-                fault_knobs.memory_filler(self.settings.host_memory))
+                list(reg.regions), task.block_ids,
+                fault_knobs.memory_filler(self._settings.host_memory))
         clock.verified = time.monotonic()
         took = clock.verified - started
-        self.observations.observe("transfer_seconds", took)
-        self.observations.observe("transfer_bytes", total)
-        self.observations.observe("transfer_descriptors", descriptors)
+        self._observations.observe("transfer_seconds", took)
+        self._observations.observe("transfer_bytes", total)
+        self._observations.observe("transfer_descriptors", descriptors)
+        self._counters.add("recv_bytes", total)
+        self._counters.add("recv_seconds", took)
+        self._counters.add("recv_requests")
         with self._lock:
-            self._done_recving.add(task.request_id)
-            self._pull_clocks[task.request_id] = clock
-            self.stats["recv_bytes"] += total
-            self.stats["recv_seconds"] += took
-            self.stats["recv_requests"] += 1
+            self._finished[task.request_id] = clock
 
     def _integrity_checked(self) -> bool:
-        if not self.settings.verify_integrity:
+        if not self._settings.verify_integrity:
             return False
-        if self._read_kv is None:
-            if not self.stats.get("integrity_skipped_device"):
+        if self._registration.read_kv is None:
+            if not self._counters.get("integrity_skipped_device"):
                 logger.info("FlagCX integrity check skipped: device memory that the CUDA "
                             "driver cannot read")
-            self.stats["integrity_skipped_device"] = 1
+            self._counters.set("integrity_skipped_device", 1)
             return False
         return True
 
@@ -226,26 +263,26 @@ class Puller:
         under way. The wait is bounded by the lease, and ends at once when prefill's port
         refuses connections (its worker, the writer, is gone: ``client.PeerGoneError``).
         """
-        hold_until = time.monotonic() + self.settings.release_hold_seconds
+        hold_until = time.monotonic() + self._settings.release_hold_seconds
         confirmed = self._release(task.remote.transfer_id, task.remote,
-                                  self.settings.lease_seconds)
+                                  self._settings.lease_seconds)
         while not confirmed and not self._stop.is_set():
             # A write may still land: the blocks stay ours until prefill says none is in
             # flight or its port refuses connections (``_release``), up to the hold.
             left = hold_until - time.monotonic()
             if left <= 0:
                 break
-            self.stats["release_retries"] += 1
+            self._counters.add("release_retries")
             confirmed = self._release(task.remote.transfer_id, task.remote,
-                                      min(self.settings.lease_seconds, left))
+                                      min(self._settings.lease_seconds, left))
         if not confirmed:
             error += (f"; prefill did not confirm within release_hold_seconds="
-                      f"{self.settings.release_hold_seconds:g} that no write is in flight")
+                      f"{self._settings.release_hold_seconds:g} that no write is in flight")
             logger.error("FlagCX: %s: blocks of request %s go back to vLLM unconfirmed: %s",
                          task.remote.transfer_id, task.request_id, error)
-        self.ledger.record("recv", task.request_id, flat, error)
+        self._ledger.record("recv", task.request_id, flat, error)
 
-    def _release(self, transfer_id: str, remote: Any, timeout: float) -> bool:
+    def _release(self, transfer_id: str, remote: RemotePrefill, timeout: float) -> bool:
         """Tell every prefill rank to drop ``transfer_id``; True when each acknowledged
         or is gone (its port refuses connections: nothing left there to write)."""
         try:

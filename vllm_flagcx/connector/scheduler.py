@@ -30,6 +30,14 @@ from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
+from vllm_flagcx.connector.loads import LoadPhase, Loads
+from vllm_flagcx.connector.metadata import (
+    FlagCXMetadataPayload,
+    RecvTask,
+    RequestId,
+    SendTask,
+    TransferId,
+)
 from vllm_flagcx.wire import params as wire_params
 from vllm_flagcx.wire.heartbeat import HeartbeatSender
 from vllm_flagcx.wire.params import (
@@ -40,40 +48,6 @@ from vllm_flagcx.wire.params import (
 )
 
 logger = logging.getLogger("vllm_flagcx")
-
-
-@dataclass
-class RecvTask:
-    """Decode: load these local blocks (per group) from the prefill named in ``remote``."""
-
-    request_id: str
-    remote: RemotePrefill
-    block_ids: list[list[int]]
-    num_tokens: int
-    offsets: list[int | None] = field(default_factory=list)  # per group, see plans
-    # when this half planned the load: time.monotonic() (wire.timeline's clock rule: one
-    # clock for the host's processes, so the worker may subtract it from its own readings)
-    planned_at: float = 0.0
-
-
-@dataclass
-class SendTask:
-    """Prefill: these blocks (per group) hold the KV of ``transfer_id`` until released."""
-
-    request_id: str
-    transfer_id: str
-    block_ids: list[list[int]]
-    deadline: float
-
-
-@dataclass
-class FlagCXMetadataPayload:
-    """The per-step content of the connector metadata (scheduler -> workers)."""
-
-    recv: dict[str, RecvTask] = field(default_factory=dict)
-    send: dict[str, SendTask] = field(default_factory=dict)
-    release: dict[str, RemotePrefill] = field(default_factory=dict)  # transfer_id -> prefill
-    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -128,19 +102,10 @@ class SchedulerHalf:
         self.recovery = recovery or LoadFailureRecovery(None)
         self.hash_block_size = min((g.block_size for g in self.groups), default=0)
         self._pending = FlagCXMetadataPayload()
-        self._armed: dict[str, SendTask] = {}  # request_id -> held send
+        self._armed: dict[str, SendTask] = {}  # prefill: request_id -> held send
         self._held_ids: set[str] = set()  # their transfer ids (one request per id)
-        # Decode requests that loaded or failed to load, until they finish: request_id ->
-        # (Request, its load failed). A failed load's request yields to those of them that
-        # hold blocks and wait (``_holds_and_waits``, see _yields).
-        self._holders: dict[str, tuple[Any, bool]] = {}
-        self._yields_left: dict[str, int] = {}
-        self._waiting_recv: dict[str, RemotePrefill] = {}  # request_id -> awaited prefill
-        self._local_hit: dict[str, int] = {}  # request_id -> tokens D had locally
-        self._recv_requests: dict[str, Any] = {}  # request_id -> Request while loading
-        # finished while their pull was in flight: blocks kept until finished_recving
-        self._kept_for_load: set[str] = set()
-        self._freed_here: set[str] = set()  # of those, freed by us (0.13) last step
+        self.loads = Loads()  # decode: one slot per request that loads (connector.loads)
+        self._freed_here: set[str] = set()  # KEPT loads freed by us (0.13) last step
         self.recomputed_after_failure = 0
         self.rejected_params = 0
         self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3,
@@ -177,7 +142,7 @@ class SchedulerHalf:
             # Bad input never strands a request: it is computed locally instead.
             self.rejected_params += 1
             logger.warning("request %s: %s; computing it locally", request.request_id, exc)
-            wire_params.mark_loaded(params)
+            wire_params.mark_loaded(request.kv_transfer_params)
             return None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -187,15 +152,16 @@ class SchedulerHalf:
         params = self._params(request)
         if wire_params.wants_remote_decode(params) and self.has_mamba:
             compat_mamba.truncate_for_prefill(request, self.hash_block_size)
-        if self._remote(request) is None:
+        remote = self._remote(request)
+        if remote is None:
             return 0, False
         wanted = compat_mamba.remote_prefill_token_count(request.num_prompt_tokens,
                                                          self.has_mamba)
         count = wanted - num_computed_tokens
-        self._local_hit[request.request_id] = num_computed_tokens
+        self.loads.match(request.request_id, request, remote, num_computed_tokens)
         if count > 0:
             # Until blocks are allocated here, keep prefill's lease on its blocks alive.
-            self.heartbeats.watch(request.request_id, self._remote(request))
+            self.heartbeats.watch(request.request_id, remote)
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -207,10 +173,11 @@ class SchedulerHalf:
         wire_params.mark_loaded(request.kv_transfer_params)  # never load twice
         if num_external_tokens <= 0:
             # Everything was a local hit: prefill still holds blocks; free them there.
+            self.loads.drop(request.request_id)
             self._pending.release[remote.transfer_id] = remote
             return
         per_group = compat_blocks.unhashed_block_ids_all_groups(blocks)
-        local_hit = self._local_hit.pop(request.request_id, 0)
+        local_hit = self.loads.plan(request.request_id, request, remote)
         ids, offsets = [], []
         for facts, group in zip(self.groups, per_group, strict=True):
             group = compat_blocks.strip_null_blocks(group)
@@ -221,39 +188,35 @@ class SchedulerHalf:
             offsets.append(local_hit // facts.block_size if full else None)
         self._pending.recv[request.request_id] = RecvTask(
             request.request_id, remote, ids, num_external_tokens, offsets, time.monotonic())
-        self._waiting_recv[request.request_id] = remote
-        self._recv_requests[request.request_id] = request
-        self._holders[request.request_id] = (request, False)
 
     # -------------------------------------------------------------------- both sides
     def build_payload(self) -> FlagCXMetadataPayload:
         payload, self._pending = self._pending, FlagCXMetadataPayload()
+        self.loads.dispatch(payload.recv)
         return payload
 
     def on_preemptions(self, req_ids: set[str]) -> None:
-        self._pending.preempted_req_ids |= req_ids
+        self._pending.preempted_req_ids |= {RequestId(r) for r in req_ids}
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = self._params(request)
-        waiting = self._waiting_recv.pop(request.request_id, None)
-        self._local_hit.pop(request.request_id, None)
-        self._recv_requests.pop(request.request_id, None)
-        self._holders.pop(request.request_id, None)
-        self._yields_left.pop(request.request_id, None)
         self.heartbeats.unwatch(request.request_id)
-        if wire_params.wants_remote_prefill(params) or waiting is not None:
+        ended = self.loads.end_request(request.request_id)
+        phase, awaited = ended if ended is not None else (None, None)
+        loading = phase in (LoadPhase.PLANNED, LoadPhase.PULLING)
+        if wire_params.wants_remote_prefill(params) or loading:
             # Decode request ended before (or while) its KV arrived: tell prefill.
-            remote = waiting or self._remote(request)
+            remote = awaited if loading else self._remote(request)
             if remote is not None:
                 self._pending.release[remote.transfer_id] = remote
-            if waiting is None or self._pending.recv.pop(request.request_id, None):
+            if phase is not LoadPhase.PULLING:
+                self._pending.recv.pop(request.request_id, None)
                 return False, None  # no worker was told to pull: nothing can be in flight
-            # A pull may be writing into these blocks right now: keep them. Every dispatched
-            # pull ends (done, failed or timed out) in finished_recving, which is where
-            # vLLM frees the blocks of a request that already finished (0.13: we do,
-            # compat.recovery.free_finished_load).
-            self._kept_for_load.add(request.request_id)
+            # A pull may be writing into these blocks right now: keep them (KEPT). Every
+            # dispatched pull ends (done, failed or timed out) in finished_recving, which
+            # is where vLLM frees the blocks of a request that already finished (0.13: we
+            # do, compat.recovery.free_finished_load).
             return True, None
         if not wire_params.wants_remote_decode(params) or not self._finished_by_length(request):
             return False, None
@@ -272,7 +235,7 @@ class SchedulerHalf:
             block_sizes=tuple(g.block_size for g in self.groups))
         if not any(ids):
             return False, out
-        task = SendTask(request.request_id, transfer_id, ids,
+        task = SendTask(request.request_id, TransferId(transfer_id), ids,
                         time.monotonic() + self.settings.first_lease_seconds)
         self._armed[request.request_id] = task
         self._held_ids.add(transfer_id)
@@ -297,13 +260,12 @@ class SchedulerHalf:
         without sliding-window groups, and the connector refused to start otherwise.
         """
         for req_id in failed_recving or ():
-            request = self._recv_requests.get(req_id)
+            # with a recovery mode vLLM frees its blocks, and it yields: see _yields
+            request = self.loads.fail(req_id, vllm_frees=self.recovery.mode is not None,
+                                      yields=MAX_YIELDS)
             if request is None:
                 continue
             self.recomputed_after_failure += 1
-            if self.recovery.mode is not None:  # vLLM frees its blocks: see _yields
-                self._holders[req_id] = (request, True)
-                self._yields_left[req_id] = MAX_YIELDS
             if self.recovery.mode == NATIVE:
                 continue  # reported through KVConnectorOutput.failed_recving: vLLM's own
             if not self.recovery.recompute(request) and not self.has_sliding:
@@ -311,12 +273,8 @@ class SchedulerHalf:
         self.recovery.forget(self._freed_here)
         self._freed_here = set()
         for req_id in finished_recving or ():
-            self._waiting_recv.pop(req_id, None)
-            self._recv_requests.pop(req_id, None)
-            if req_id in self._kept_for_load:
-                self._kept_for_load.discard(req_id)
-                if self.recovery.free_finished(req_id):
-                    self._freed_here.add(req_id)
+            if self.loads.land(req_id) and self.recovery.free_finished(req_id):
+                self._freed_here.add(req_id)
         for req_id in finished_sending or ():
             task = self._armed.pop(req_id, None)
             if task is not None:
@@ -336,17 +294,18 @@ class SchedulerHalf:
         their blocks. Bounded (``MAX_YIELDS`` lookups) so a steady stream of new loads
         cannot starve it; once it stops yielding nothing behind it is admitted, so the
         running requests' blocks come back to it."""
-        left = self._yields_left.get(request_id)
-        if left is None:
+        load = self.loads.get(request_id)
+        left = load.yields_left if load is not None else None
+        if load is None or left is None:
             return False
-        if left > 0 and any(_holds_and_waits(r, failed)
-                            for rid, (r, failed) in self._holders.items() if rid != request_id):
-            self._yields_left[request_id] = left - 1
+        if left > 0 and any(_holds_and_waits(h.request, h.vllm_frees)
+                            for h in self.loads.holders(but=request_id)):
+            load.yields_left = left - 1
             return True
         if left <= 0:
             logger.warning("FlagCX: request %s stopped yielding to block holders after %d "
                            "lookups", request_id, MAX_YIELDS)
-        del self._yields_left[request_id]
+        load.yields_left = None
         return False
 
     def shutdown(self) -> None:

@@ -9,33 +9,47 @@ before bytes move: its fields (``pull_problem``), the receiver's regions pinned 
 incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
 (``plans.check_within``), and the transfer's first puller (``Sends.claim``).
 
-A mixin of ``worker.WorkerHalf``: the state it uses (``settings``, ``transport``,
-``regions``, ``sheet``, ``stats``, ``_lock``, ``sends``, ...) is created in
-``WorkerHalf.__init__``.
+It owns its socket, thread, wake pipe, outbox, parked pulls and writer pool; the
+transfers (``Sends``) and the counters are shared with the worker that built it, and what
+was registered comes as one frozen ``Registration``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm_flagcx.connector.counters import Counters
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
-from vllm_flagcx.connector.parked import ParkedPull
+from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
 from vllm_flagcx.connector.peer_credentials import PeerCheck
 from vllm_flagcx.connector.receivers import pull_problem
-from vllm_flagcx.connector.sends import Claim, Send
+from vllm_flagcx.connector.registration import Registration
+from vllm_flagcx.connector.sends import Claim, Send, Sends
 from vllm_flagcx.connector.side_channel_writes import SideChannelWrites
+from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
 
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
+
+
+class Pending(enum.Enum):
+    """A claimed pull with no answer yet: its write runs (``WRITING``) or it must keep
+    waiting for its arm or a writer (``WAIT``)."""
+
+    WRITING = "writing"
+    WAIT = "wait"
 
 
 def bind_error(host: str, port: int, rank: int, exc: Exception) -> RuntimeError:
@@ -58,48 +72,95 @@ def _superseded(pull: hs.PullRequest | None) -> hs.PullReply:
                         "superseded by an identical pull (same transfer, receiver and rank)")
 
 
-class SideChannelServer(SideChannelWrites):
-    """Prefill side of ``WorkerHalf`` (see the module docstring)."""
+class SideChannelServer:
+    """Prefill's side channel for one TP rank (see the module docstring)."""
 
-    settings: Any
-    views: dict[str, Any]
-    transport: Any
-    stats: Any
+    def __init__(self, settings: WorkerSettings, transport: Transport,
+                 registration: Registration, sends: Sends, counters: Counters) -> None:
+        self._settings = settings
+        self._transport = transport
+        self._registration = registration
+        self._sends = sends
+        self._counters = counters
+        self.parked = ParkedPulls()  # pulls that wait for an arm or a writer (tests cap it)
+        self._peer_check = PeerCheck(authenticated=settings.key is not None)
+        self._writes = SideChannelWrites(settings, transport, registration, sends,
+                                         counters, self._post)
+        # Writes run on writer threads, never on the side-channel thread (one slow write
+        # stalled every handshake, heartbeat and release behind it); their replies come
+        # back through the outbox, and a byte on the wake pipe tells the server thread.
+        self._writer: ThreadPoolExecutor | None = None
+        self._outbox: deque[tuple[bytes, hs.Message]] = deque()
+        self._wake_r, self._wake_w = -1, -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._zmq: Any = None  # zmq.Context (imported lazily: the connector imports cheap)
+        self._zap: curve.ZapHandler | None = None
 
-    def _start_server(self) -> None:
+    @property
+    def alive(self) -> bool:
+        """The server thread runs (nothing a peer sends may end it)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def curve_refusals(self) -> int:
+        """Connections the CURVE handshake refused (an underived key): none reached us."""
+        return self._zap.refused if self._zap is not None else 0
+
+    @property
+    def port(self) -> int:
+        return self._settings.side_channel_port + self._settings.tp_rank
+
+    def start(self) -> None:
+        """Listen on ``side_channel_port + tp_rank``; RuntimeError naming the setting when
+        the port cannot be bound."""
         import zmq
 
-        auth.require_secret_off_loopback(self.settings.bind_host, self.settings.key)
-        self._peer_check = PeerCheck(authenticated=self.settings.key is not None)
+        settings = self._settings
+        auth.require_secret_off_loopback(settings.bind_host, settings.key)
         with unpinned():  # the context's I/O thread starts with the first socket
-            self._zmq = self._zmq or zmq.Context()
+            self._zmq = zmq.Context()
             sock = self._zmq.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._zap = None
-        if self.settings.key is not None and curve.available():
+        if settings.key is not None and curve.available():
             # strangers are refused in the connection's handshake: no byte is buffered
-            self._zap = curve.ZapHandler(self._zmq, self.settings.key)
-            curve.configure_server(sock, self.settings.key)
-        port = self.settings.side_channel_port + self.settings.tp_rank
+            self._zap = curve.ZapHandler(self._zmq, settings.key)
+            curve.configure_server(sock, settings.key)
         try:
-            sock.bind(f"tcp://{self.settings.bind_host}:{port}")
+            sock.bind(f"tcp://{settings.bind_host}:{self.port}")
         except zmq.ZMQError as exc:
             sock.close()
             if self._zap is not None:  # else the context's term() waits on it forever
                 self._zap.close()
                 self._zap = None
-            raise bind_error(self.settings.bind_host, port, self.settings.tp_rank,
+            raise bind_error(settings.bind_host, self.port, settings.tp_rank,
                              exc) from None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._writer = ThreadPoolExecutor(
-            max_workers=max(1, int(getattr(self.transport, "max_concurrent_writes", 1))),
-            thread_name_prefix=f"flagcx-write-{port}", initializer=unpin_this_thread)
-        self._server = threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                                        name=f"flagcx-side-channel-{port}")
-        self._server.start()
+            max_workers=max(1, int(self._transport.max_concurrent_writes)),
+            thread_name_prefix=f"flagcx-write-{self.port}", initializer=unpin_this_thread)
+        self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                        name=f"flagcx-side-channel-{self.port}")
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop serving; writes under way finish first (their blocks are still held)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True, cancel_futures=True)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_r = self._wake_w = -1
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
 
     def _serve(self, sock: Any) -> None:
         import zmq
@@ -144,7 +205,7 @@ class SideChannelServer(SideChannelWrites):
         parts = sock.recv_multipart(copy=False)
         frames = [p.bytes for p in parts]
         if len(frames) != 3 or frames[1] != b"":
-            self.stats["malformed_messages"] += 1
+            self._counters.add("malformed_messages")
             return  # not a REQ envelope: nobody to answer
         ident, _, frame = frames
         try:
@@ -156,19 +217,19 @@ class SideChannelServer(SideChannelWrites):
             self._refuse_peer(sock, ident, refusal)
             return
         try:
-            data = auth.unseal(self.settings.key, frame)
+            data = auth.unseal(self._settings.key, frame)
         except auth.AuthError as exc:  # answered bare: the sender may lack the key
-            self.stats["unauthenticated_messages"] += 1
-            if self.stats["unauthenticated_messages"] in (1, 10, 100, 1000):
+            refused = self._counters.add("unauthenticated_messages")
+            if refused in (1, 10, 100, 1000):
                 logger.warning("FlagCX side channel: refused %d unauthenticated message(s) "
-                               "so far: %s", self.stats["unauthenticated_messages"], exc)
+                               "so far: %s", refused, exc)
             sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(str(exc)))])
             return
         try:
             role = curve.role_of(parts[-1]) if self._zap is not None else "decode"
             reply = self._handle(ident, data, fd, role)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
-            self.stats["malformed_messages"] += 1
+            self._counters.add("malformed_messages")
             logger.warning("FlagCX side channel: message refused: %s: %s",
                            type(exc).__name__, exc)
             reply = hs.HandshakeRefused(f"refused: {type(exc).__name__}")
@@ -176,13 +237,13 @@ class SideChannelServer(SideChannelWrites):
             sock.send_multipart([ident, b"", self._seal(reply)])
 
     def _seal(self, message: hs.Message) -> bytes:
-        return auth.seal(self.settings.key, hs.encode(message))
+        return auth.seal(self._settings.key, hs.encode(message))
 
     def _refuse_peer(self, sock: Any, ident: bytes, refusal: str) -> None:
-        self.stats["refused_peers"] += 1
-        if self.stats["refused_peers"] in (1, 10, 100, 1000):
+        refused = self._counters.add("refused_peers")
+        if refused in (1, 10, 100, 1000):
             logger.warning("FlagCX side channel: refused %d message(s) from local peers so "
-                           "far: %s", self.stats["refused_peers"], refusal)
+                           "far: %s", refused, refusal)
         sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(refusal))])
 
     def _handle(self, ident: bytes, data: bytes, fd: int | None = None,
@@ -192,35 +253,34 @@ class SideChannelServer(SideChannelWrites):
         except hs.HandshakeError as exc:
             return hs.HandshakeRefused(str(exc))
         if role != "decode" and type(message).__name__ not in curve.ROUTER_MAY:
-            self.stats["refused_roles"] += 1
+            self._counters.add("refused_roles")
             return hs.HandshakeRefused(f"the {role or 'unknown'} credential may send "
                                        f"{' and '.join(curve.ROUTER_MAY)} only, not "
                                        f"{type(message).__name__}")
         if isinstance(message, hs.HandshakeRequest):
-            self.stats["handshakes_served"] += 1
+            self._counters.add("handshakes_served")
             if message.protocol_version != hs.PROTOCOL_VERSION:
                 return hs.HandshakeRefused(
                     f"protocol_version: local {hs.PROTOCOL_VERSION}, remote "
                     f"{message.protocol_version}")
-            return hs.HandshakeReply(self.sheet)
+            return hs.HandshakeReply(self._registration.sheet)
         if isinstance(message, hs.Heartbeat):
-            renewed = self.sends.renew(list(message.transfer_ids),
-                                       time.monotonic() + self.settings.lease_seconds)
-            with self._lock:
-                self.stats["lease_renewals"] += renewed
+            renewed = self._sends.renew(list(message.transfer_ids),
+                                       time.monotonic() + self._settings.lease_seconds)
+            self._counters.add("lease_renewals", renewed)
             return hs.Ack(",".join(message.transfer_ids)[:256])
         if isinstance(message, hs.Release):  # acknowledged once no write is in flight
-            if not self.sends.release(message.transfer_id, ident):
+            if not self._sends.release(message.transfer_id, ident):
                 return None
             return hs.Ack(message.transfer_id)
         if isinstance(message, hs.PullRequest):
-            problem = pull_problem(message, len(self.settings.layout.block_sizes))
+            problem = pull_problem(message, len(self._settings.layout.block_sizes))
             if problem:
                 return hs.PullReply(message.transfer_id, False, problem)
-            pid = self.transport.peer_pid(message.sheet.transport_desc)
+            pid = self._transport.peer_pid(message.sheet.transport_desc)
             refused = self._peer_check.refusal(fd, pid) if pid is not None else None
             if refused is not None:
-                self.stats["refused_peers"] += 1
+                self._counters.add("refused_peers")
                 return hs.PullReply(message.transfer_id, False, refused)
             return self._claim_or_park(ident, message, len(data))
         return hs.HandshakeRefused(f"unexpected message {type(message).__name__}")
@@ -231,47 +291,49 @@ class SideChannelServer(SideChannelWrites):
         answered now; only one that must wait is parked, within the parking caps."""
         now = time.monotonic()
         # a pull is decode's word that it has the request: the full lease from here on
-        self.sends.renew([pull.transfer_id], now + self.settings.lease_seconds)
+        self._sends.renew([pull.transfer_id], now + self._settings.lease_seconds)
         answer = self._try_claim(ident, pull, now)
-        if answer is not False:
+        if answer is Pending.WRITING:
+            return None
+        if not isinstance(answer, Pending):
             return answer
-        armed = self.sends.is_armed(pull.transfer_id)
-        refusal, replaced = self._parked.park(ParkedPull(
-            ident, pull, now + self.settings.lease_seconds, size, armed))
+        armed = self._sends.is_armed(pull.transfer_id)
+        refusal, replaced = self.parked.park(ParkedPull(
+            ident, pull, now + self._settings.lease_seconds, size, armed))
         if refusal is not None:
-            self.stats["pulls_refused_parking_full"] += 1
+            self._counters.add("pulls_refused_parking_full")
             return hs.PullReply(pull.transfer_id, False, refusal)
         if replaced is not None and replaced != ident:
             self._post(replaced, _superseded(pull))
         return None
 
     def _try_claim(self, ident: bytes, pull: hs.PullRequest, now: float
-                   ) -> hs.Message | bool | None:
-        """The answer to ``pull`` now (None: a write was started and answers later), or
-        False when it must keep waiting."""
-        claim, what = self.sends.claim(pull.transfer_id, pull.sheet.engine_id)
+                   ) -> hs.Message | Pending:
+        """The answer to ``pull`` now, ``WRITING`` (a write was started and answers
+        later), or ``WAIT`` when it must keep waiting."""
+        claim, what = self._sends.claim(pull.transfer_id, pull.sheet.engine_id)
         if claim is Claim.WRITE:
             assert self._writer is not None and isinstance(what, Send)
-            self._writer.submit(self._write_job, ident, what, pull, now)
-            return None
+            self._writer.submit(self._writes.run, ident, what, pull, now)
+            return Pending.WRITING
         if claim is Claim.REFUSED:
             return hs.PullReply(pull.transfer_id, False, str(what))
         if claim is Claim.ENDED:
             return hs.PullReply(pull.transfer_id, False, f"transfer ended here: {what}")
-        return False
+        return Pending.WAIT
 
     def _serve_parked(self) -> list[tuple[bytes, hs.Message]]:
         now = time.monotonic()
         out, keep = [], []
-        for entry in self._parked.take_all():
+        for entry in self.parked.take_all():
             answer = self._try_claim(entry.ident, entry.pull, now)
-            if answer is False and not entry.armed and now > entry.deadline:
+            if answer is Pending.WAIT and not entry.armed and now > entry.deadline:
                 answer = hs.PullReply(entry.pull.transfer_id, False,
                                       "unknown or expired transfer id")
-            if answer is False:
+            if answer is Pending.WAIT:
                 keep.append(entry)
-            elif answer is not None:
+            elif not isinstance(answer, Pending):
                 out.append((entry.ident, answer))
-        for ident in self._parked.put_back(keep):
+        for ident in self.parked.put_back(keep):
             out.append((ident, _superseded(None)))
         return out

@@ -1,6 +1,8 @@
-"""Worker half of FlagCXConnector: one object per TP rank holding the shared state of its
-two roles, prefill's side-channel server (``side_channel_server``) and decode's puller
-(``puller``), and the failure ledger (``ledger``).
+"""Worker half of FlagCXConnector: one object per TP rank, composed of the parts that own
+its state: what was registered (``registration.Registration``, frozen), prefill's
+side-channel server (``side_channel_server``) over the transfers it holds
+(``sends.Sends``), decode's puller (``puller``), and the failure ledger (``ledger``), with
+the counters (``counters``) and histogram samples (``observations``) they share.
 
 Protocol (P pushes, D initiates; the cross-engine key is the router-minted transfer id):
 
@@ -20,210 +22,110 @@ Protocol (P pushes, D initiates; the cross-engine key is the router-minted trans
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
-from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
-from vllm_flagcx.connector import integrity
-from vllm_flagcx.connector.ledger import STAGES, FailureLedger, _delta
+from vllm_flagcx.connector.counters import Counters
+from vllm_flagcx.connector.ledger import STAGES, FailureLedger
+from vllm_flagcx.connector.metadata import FlagCXMetadataPayload, RequestId
 from vllm_flagcx.connector.observations import Observations
-from vllm_flagcx.connector.parked import ParkedPulls
 from vllm_flagcx.connector.pull_clock import PullClock
 from vllm_flagcx.connector.puller import Puller
-from vllm_flagcx.connector.receivers import ReceiverCache
-from vllm_flagcx.connector.scheduler import FlagCXMetadataPayload
+from vllm_flagcx.connector.registration import Registration, register
 from vllm_flagcx.connector.sends import Sends
-from vllm_flagcx.connector.side_channel_server import (
-    SideChannelServer,
-)
-from vllm_flagcx.connector.task_threads import TaskThreads
-from vllm_flagcx.layout.regions import Region, Section, storage_spans
+from vllm_flagcx.connector.side_channel_server import SideChannelServer
+from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.layout.regions import Region, kernel_ratios, model_page_bytes
 from vllm_flagcx.transport.base import Transport
-from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
 __all__ = ["STAGES", "WorkerHalf", "WorkerSettings", "kernel_ratios", "model_page_bytes"]
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    engine_id: str
-    tp_rank: int
-    tp_size: int
-    layout: hs.LayoutFacts
-    bind_host: str = "127.0.0.1"
-    side_channel_port: int = 0  # P: base port; rank r listens on base + r
-    handshake_timeout: float = 10.0  # 5 s once ran out behind a CPU-starved prefill
-    recv_timeout: float = 40.0  # longer than the prefill lease
-    lease_seconds: float = 30.0
-    skip_compat_hash: bool = False
-    peer_ttl: float = 300.0  # re-handshake a cached prefill after this long (restarts)
-    peer_probe_seconds: float = 1.0  # while waiting on prefill, check it still listens
-    verify_integrity: bool = True  # checksum a sample of every transfer
-    # P: a claimed write not started this long after its claim is dropped (writers busy)
-    write_start_timeout: float = 5.0
-    # D: after a failed pull, how long to keep the blocks while prefill has not confirmed
-    # that no write into them is in flight (retrying the Release); then they go back
-    release_hold_seconds: float = 600.0
-    host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
-    test_faults: bool = False  # honour kv_transfer_params.flagcx_test_fault (tests only)
-    log_timelines: bool = False  # one wire.timeline line per load at INFO (else DEBUG)
-    incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
-    key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
-
-
-
-
-def model_page_bytes(regions: list[Region], num_groups: int) -> tuple[int, ...]:
-    """Per group, the bytes of one layer's block summed over ALL ranks (padding excluded).
-
-    Per-rank page sizes differ whenever P and D use different TP sizes; this does not, so
-    it is what the compatibility hash compares.
-    """
-    out = []
-    for group in range(num_groups):
-        layer = next((r.layer for r in regions if r.group == group), None)
-        total = sum(s.global_units * s.unit_bytes * s.repeats
-                    for r in regions if r.group == group and r.layer == layer
-                    for s in r.sections)
-        out.append(total)
-    return tuple(out)
-
-
-def kernel_ratios(regions: list[Region], num_groups: int, logical_num_blocks: int | None
-                  ) -> list[int]:
-    """Kernel blocks per logical block, per group (attention kernels may page finer than
-    the KV cache manager: vLLM then allocates ``num_blocks * ratio`` kernel blocks)."""
-    if not logical_num_blocks:
-        return [1] * num_groups
-    ratios = []
-    for group in range(num_groups):
-        counts = {r.num_blocks for r in regions if r.group == group} or {logical_num_blocks}
-        if len(counts) != 1 or min(counts) % logical_num_blocks:
-            raise ValueError(f"KV cache group {group}: regions hold {sorted(counts)} blocks, "
-                             f"not one multiple of the {logical_num_blocks} logical blocks")
-        ratios.append(min(counts) // logical_num_blocks)
-    return ratios
-
-
-def _to_info(region: Region) -> hs.RegionInfo:
-    return hs.RegionInfo(region.name, region.layer, region.group, region.kind, region.base,
-                         region.block_stride, region.num_blocks, region.block_bytes,
-                         tuple(_section_info(s) for s in region.sections))
-
-
-def _section_info(s: Section) -> hs.SectionInfo:
-    return hs.SectionInfo(s.name, s.offset, s.units, s.unit_bytes, s.global_units, s.repeats,
-                          s.repeat_stride, s.replicated)
-
-
-class WorkerHalf(SideChannelServer, Puller):
+class WorkerHalf:
     """One per worker process (TP rank). Thread-safe between the runner and its threads."""
 
     def __init__(self, settings: WorkerSettings, transport: Transport) -> None:
         self.settings = settings
         self.transport = transport
         self.ledger = FailureLedger()
-        self.regions: list[Region] = []
-        self.kernel_ratios: list[int] = []
-        self.sheet: hs.FactSheet | None = None
-        self._lock = threading.Lock()
-        self.sends = Sends()  # prefill: armed transfers, their writes and how each ended
-        self._parked = ParkedPulls()  # prefill: pulls that wait for an arm or a writer
-        self._done_recving: set[str] = set()
-        self._pull_clocks: dict[str, PullClock] = {}
-        self._peer_sheets: dict[tuple[str, int], tuple[float, hs.FactSheet]] = {}
-        self._connections: dict[str, object] = {}
-        # (incarnation, rank) -> the receiver as its first pull named it, with its plans
-        self._receivers = ReceiverCache(settings.tp_rank, settings.tp_size,
-                                        len(settings.layout.block_sizes))
-        self._connect_lock = threading.Lock()
-        # Writes run on writer threads, never on the side-channel thread (one slow write
-        # stalled every handshake, heartbeat and release behind it); their replies come
-        # back through the outbox, and a byte on the wake pipe tells the server thread.
-        self._writer: ThreadPoolExecutor | None = None
-        self._outbox: deque[tuple[bytes, hs.Message]] = deque()
-        self._wake_r, self._wake_w = -1, -1
-        self._stop = threading.Event()
-        self._server: threading.Thread | None = None
-        # decode: pulls and releases run on kept threads (task_threads says why)
-        self._tasks = TaskThreads()
-        self.stats: dict[str, float] = defaultdict(float)
-        self._last_stats: dict[str, float] = {}
+        self.stats = Counters()
         self.observations = Observations()  # histogram samples and gauges (wire.metrics)
+        self.sends = Sends()  # prefill: armed transfers, their writes and how each ended
+        self.registration: Registration | None = None
+        self.server: SideChannelServer | None = None  # prefill
+        self.puller: Puller | None = None  # decode (made at registration)
+        self._lock = threading.Lock()
         self._pending_invalid: set[int] = set()
-        self._storages: list[tuple[int, int]] = []  # registered (address, size), disjoint
-        self.failed_last_step: set[str] = set()
-        self._zmq = None
-        self._channels: client.Channels | None = None  # decode: kept side-channel connections
-        self._read_kv = (integrity.reader(settings.host_memory)
-                         if settings.verify_integrity else None)
-        # layer -> compat.kv_views.AttentionView: the logical integrity sample's reader
-        self.views: dict[str, Any] = {}
+        self.failed_last_step: set[RequestId] = set()
 
     # ---------------------------------------------------------------- registration
     def register_regions(self, regions: list[Region], serve: bool,
                          logical_num_blocks: int | None = None,
-                         views: dict[str, Any] | None = None) -> None:
+                         views: Mapping[str, Any] | None = None) -> None:
         """``views``: each attention layer as vLLM indexes it (``compat.kv_views``); without
         them the logical integrity sample is neither sent nor checked."""
-        self.kernel_ratios = kernel_ratios(regions, len(self.settings.layout.block_sizes),
-                                           logical_num_blocks)
-        spans = storage_spans(regions)
-        for address, size in spans:
-            self.transport.register(address, size)
-        self._storages = spans
-        self.regions = list(regions)
-        self.views = dict(views or {})
-        s = self.settings
-        self.sheet = hs.make_sheet(layout=s.layout, engine_id=s.engine_id,
-                                   incarnation=s.incarnation, tp_size=s.tp_size,
-                                   tp_rank=s.tp_rank, transport=self.transport.name,
-                                   transport_desc=self.transport.describe(),
-                                   regions=tuple(_to_info(r) for r in regions))
-        self.stats["registered_storages"] = len(spans)
+        reg = register(self.settings, self.transport, regions, logical_num_blocks, views)
+        self.registration = reg
+        self.stats.set("registered_storages", len(reg.storages))
+        self.puller = Puller(self.settings, reg, self.ledger, self.stats, self.observations)
         if serve:
-            self._start_server()
+            self.server = SideChannelServer(self.settings, self.transport, reg, self.sends,
+                                            self.stats)
+            self.server.start()
+
+    @property
+    def regions(self) -> list[Region]:
+        return list(self.registration.regions) if self.registration else []
+
+    @property
+    def kernel_ratios(self) -> list[int]:
+        return list(self.registration.kernel_ratios) if self.registration else []
+
+    @property
+    def sheet(self) -> hs.FactSheet | None:
+        return self.registration.sheet if self.registration else None
 
     # ---------------------------------------------------------------- per step
     def start_step(self, payload: FlagCXMetadataPayload) -> None:
-        for task in payload.send.values():
-            self.sends.arm(task)  # a duplicate transfer id: done at once (scheduler refuses)
-        for task in payload.recv.values():
-            self._tasks.submit(self._pull_guarded, task)
+        for send in payload.send.values():
+            self.sends.arm(send)  # a duplicate transfer id: done at once (scheduler refuses)
+        if self.puller is None:  # vLLM registers the KV caches before any step
+            for recv in payload.recv.values():
+                self.ledger.record("recv", recv.request_id,
+                                   [b for g in recv.block_ids for b in g],
+                                   "a load was scheduled before register_kv_caches")
+            return
+        for recv in payload.recv.values():
+            self.puller.submit_pull(recv)
         for transfer_id, remote in payload.release.items():
-            self._tasks.submit(self._release, transfer_id, remote,
-                               self.settings.handshake_timeout)
+            self.puller.submit_release(transfer_id, remote)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving); failed receives are finished too, with
         their blocks held for ``get_block_ids_with_load_errors`` of the same step."""
-        self._expire_leases()
+        self.stats.add("expired_leases", self.sends.expire(time.monotonic()))
         failed, blocks = self.ledger.drain()
+        loaded = self.puller.take_finished() if self.puller is not None else {}
         with self._lock:
             self._pending_invalid |= blocks
-            self.failed_last_step = failed
-            sending = self.sends.take_done()
-            recving, self._done_recving = self._done_recving, set()
-            clocks = [(r, self._pull_clocks.pop(r, None)) for r in recving]
-        self._log_timelines(clocks)
-        return sending, recving | failed
+            self.failed_last_step = {RequestId(r) for r in failed}
+        sending = self.sends.take_done()
+        self._log_timelines(loaded)
+        return sending, set(loaded) | failed
 
-    def _log_timelines(self, clocks: list[tuple[str, PullClock | None]]) -> None:
+    def _log_timelines(self, loaded: Mapping[RequestId, PullClock | None]) -> None:
         """One ``wire.timeline`` line per load reported now (INFO with
         ``log_timelines``, else DEBUG)."""
         level = logging.INFO if self.settings.log_timelines else logging.DEBUG
-        if not clocks or not logger.isEnabledFor(level):
+        if not loaded or not logger.isEnabledFor(level):
             return
         reported = time.monotonic()
-        for request_id, clock in clocks:
+        for request_id, clock in loaded.items():
             if clock is not None:
                 logger.log(level, "%s", clock.line(request_id, reported))
 
@@ -235,29 +137,15 @@ class WorkerHalf(SideChannelServer, Puller):
     def take_stats(self) -> dict[str, Any]:
         """Transfer counters since the previous call, with the histogram samples and the
         gauges of ``observations`` (the keys of ``wire.metrics``)."""
-        with self._lock:
-            delta: dict[str, Any] = _delta(self.stats, self._last_stats)
-            self._last_stats = dict(self.stats)
+        delta: dict[str, Any] = dict(self.stats.take_delta())
         delta.pop("registered_storages", None)
         delta.update(self.observations.take(pending_sends=len(self.sends)))
         return delta
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
-        self._stop.set()
-        if self._server is not None:
-            self._server.join(timeout=2)
-        if self._writer is not None:
-            self._writer.shutdown(wait=True, cancel_futures=True)
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._wake_r = self._wake_w = -1
-        self._tasks.shutdown(timeout=2.0)
-        if self._channels is not None:
-            self._channels.close()
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
+        if self.server is not None:
+            self.server.shutdown()
+        if self.puller is not None:
+            self.puller.shutdown()
         self.transport.close()

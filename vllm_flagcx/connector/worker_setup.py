@@ -46,7 +46,7 @@ def kv_cache_views(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, 
                    dims: dict[int, str | None], regions: list[Any]) -> dict[str, Any]:
     """Each attention layer as vLLM indexes it, for the logical integrity sample."""
     from vllm_flagcx.compat.kv_views import attention_views
-    from vllm_flagcx.connector.worker import kernel_ratios
+    from vllm_flagcx.layout.regions import kernel_ratios
 
     ratios = kernel_ratios(regions, len(kv_cache_config.kv_cache_groups),
                            kv_cache_config.num_blocks)
@@ -70,7 +70,7 @@ def attention_cache_format(vllm_config: Any, kv_cache_config: Any, groups: list[
 def layout_facts(vllm_config: Any, kv_cache_config: Any, regions: list[Any]) -> Any:
     """The ``wire.handshake.LayoutFacts`` a peer's must match before any byte moves."""
     from vllm_flagcx.compat import mamba as compat_mamba
-    from vllm_flagcx.connector.worker import kernel_ratios, model_page_bytes
+    from vllm_flagcx.layout.regions import kernel_ratios, model_page_bytes
     from vllm_flagcx.wire import handshake as hs
 
     model = vllm_config.model_config

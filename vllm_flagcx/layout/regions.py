@@ -200,3 +200,35 @@ def unique_storages(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append([start, end])
     return [(s, e - s) for s, e in merged]
+
+
+def model_page_bytes(regions: list[Region], num_groups: int) -> tuple[int, ...]:
+    """Per group, the bytes of one layer's block summed over ALL ranks (padding excluded).
+
+    Per-rank page sizes differ whenever P and D use different TP sizes; this does not, so
+    it is what the compatibility hash compares.
+    """
+    out = []
+    for group in range(num_groups):
+        layer = next((r.layer for r in regions if r.group == group), None)
+        total = sum(s.global_units * s.unit_bytes * s.repeats
+                    for r in regions if r.group == group and r.layer == layer
+                    for s in r.sections)
+        out.append(total)
+    return tuple(out)
+
+
+def kernel_ratios(regions: list[Region], num_groups: int, logical_num_blocks: int | None
+                  ) -> list[int]:
+    """Kernel blocks per logical block, per group (attention kernels may page finer than
+    the KV cache manager: vLLM then allocates ``num_blocks * ratio`` kernel blocks)."""
+    if not logical_num_blocks:
+        return [1] * num_groups
+    ratios = []
+    for group in range(num_groups):
+        counts = {r.num_blocks for r in regions if r.group == group} or {logical_num_blocks}
+        if len(counts) != 1 or min(counts) % logical_num_blocks:
+            raise ValueError(f"KV cache group {group}: regions hold {sorted(counts)} blocks, "
+                             f"not one multiple of the {logical_num_blocks} logical blocks")
+        ratios.append(min(counts) // logical_num_blocks)
+    return ratios

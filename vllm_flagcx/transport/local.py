@@ -169,6 +169,9 @@ class LocalTransport(Transport):
         from vllm_flagcx.transport import cuda_ipc
 
         cuda = cuda_ipc.driver()
+        if cuda is None:
+            return WriteResult(False, "device memory registered, but no CUDA driver loads "
+                                      "in this process")
         if not self._device_table.holds(src, length):
             return WriteResult(False, "source outside this process's registered GPU memory")
         where = peer.device_table.locate(dst, length)  # an int: one allocation holds all
@@ -197,8 +200,8 @@ class LocalTransport(Transport):
         local = (_IoVec * n)()
         remote = (_IoVec * n)()
         # iovec is (pointer, size): fill both arrays from numpy without a Python loop.
-        local_view = np.frombuffer(local, dtype=np.uint64).reshape(n, 2)
-        remote_view = np.frombuffer(remote, dtype=np.uint64).reshape(n, 2)
+        local_view = np.frombuffer(memoryview(local).cast("B"), dtype=np.uint64).reshape(n, 2)
+        remote_view = np.frombuffer(memoryview(remote).cast("B"), dtype=np.uint64).reshape(n, 2)
         local_view[:, 0], local_view[:, 1] = src, length
         remote_view[:, 0], remote_view[:, 1] = dst, length
         expected = int(length.sum())

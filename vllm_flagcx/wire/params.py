@@ -7,20 +7,25 @@ instead of failing deep inside a worker.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NewType
 
 
 class TransferParamsError(ValueError):
     """kv_transfer_params that cannot be acted on."""
 
 
+TransferId = NewType("TransferId", str)
+"""The cross-engine key of one PD transfer (prefill's scheduler or a router mints it); not
+vLLM's request id, which is local to each engine (``connector.metadata.RequestId``)."""
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     """Decode side: where the KV of this request waits, and how it was computed."""
 
-    transfer_id: str
+    transfer_id: TransferId
     remote_host: str
     remote_port: int
     remote_tp_size: int
@@ -109,7 +114,7 @@ def wants_remote_decode(params: Mapping[str, Any]) -> bool:
     return bool(params.get(REMOTE_DECODE))
 
 
-def mark_loaded(params: dict[str, Any]) -> None:
+def mark_loaded(params: MutableMapping[str, Any]) -> None:
     """Decode allocated (or gave up on) this load: never load it twice."""
     params[REMOTE_PREFILL] = False
 
