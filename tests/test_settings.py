@@ -8,7 +8,7 @@ import logging
 import pytest
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.connector.settings import SettingsError, checked_extra_config
+from vllm_flagcx.connector.settings import ConnectorSettings, SettingsError, checked_extra_config
 
 
 @pytest.mark.parametrize("key, value, allowed", [
@@ -76,3 +76,40 @@ def test_settings_object_holds_every_checked_key_once_with_its_default():
     assert s.pull_timeout == 22.0 and s.bind_host == "::1"
     assert s.raw["my_plugin_key"] == 3  # unknown keys kept for transport plugins
     assert ConnectorSettings.from_extra(None).bind_host == "127.0.0.1"
+
+
+def test_the_halves_take_every_user_default_from_connector_settings():
+    """Each user-settable default is stated once (ConnectorSettings): the worker's and the
+    scheduler's settings start from the same values, so a changed default reaches both."""
+    import dataclasses
+
+    from vllm_flagcx.connector.scheduler import SchedulerSettings
+    from vllm_flagcx.connector.worker_settings import WorkerSettings
+
+    user = ConnectorSettings()
+    renamed = {"recv_timeout": user.pull_timeout, "bind_host": user.bind_host,
+               "skip_compat_hash": not user.enforce_handshake_compat,
+               "first_lease_seconds": user.initial_lease}
+    checked = 0
+    for half in (WorkerSettings, SchedulerSettings):
+        for f in dataclasses.fields(half):
+            if f.default is dataclasses.MISSING:
+                continue
+            if f.name in renamed:
+                expected = renamed[f.name]
+            elif hasattr(user, f.name) and f.name != "key":
+                expected = getattr(user, f.name)
+            else:
+                continue
+            assert f.default == expected, (half.__name__, f.name, f.default, expected)
+            checked += 1
+    assert checked >= 12
+
+
+def test_every_transport_name_but_auto_is_one_built_in_transport():
+    from vllm_flagcx.connector.settings import TRANSPORT_NAMES
+    from vllm_flagcx.connector.transport_choice import BUILT_IN
+
+    assert set(TRANSPORT_NAMES) == {"auto", *BUILT_IN}
+    with pytest.raises(SettingsError, match="auto, flagcx, local"):
+        checked_extra_config({"transport": "nixl"})

@@ -145,24 +145,8 @@ class Puller:
             with self._lock:
                 self._finished[task.request_id] = None
             return
-        try:
-            p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
-            if p_sheet.engine_id != remote.remote_engine_id:  # a cached sheet may be old
-                self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
-                p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
-            if p_sheet.engine_id != remote.remote_engine_id:
-                raise hs.HandshakeError(
-                    f"prefill at {remote.remote_host}:{remote.remote_port} is engine "
-                    f"{p_sheet.engine_id!r}, the request's kv_transfer_params name "
-                    f"remote_engine_id={remote.remote_engine_id!r}: that port serves another "
-                    "instance (pass prefill's returned kv_transfer_params unchanged)")
-            hs.check_compatible(reg.sheet, p_sheet, skip_hash=self._settings.skip_compat_hash)
-        except (hs.HandshakeError, TimeoutError, OSError) as exc:
-            self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
-            self._ledger.record("handshake", task.request_id, flat,
-                               str(exc) + wire_params.loopback_hint(remote.remote_host))
-            if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
-                self._release(remote.transfer_id, remote, self._settings.handshake_timeout)
+        p_sheet = self._prefill_sheet(task, flat)
+        if p_sheet is None:
             return
         clock.sheet = time.monotonic()
         # Every P rank is asked, also those holding nothing for this rank (replicated
@@ -182,39 +166,10 @@ class Puller:
             except (TimeoutError, OSError, hs.HandshakeError) as exc:
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {exc}")
                 return
-            if not isinstance(reply, hs.PullReply) or not reply.ok:
-                error = getattr(reply, "error", type(reply).__name__)
-                self._fail_after_release(task, flat, f"P rank {p_rank}: {error}")
+            problem = self._reply_problem(p_rank, reply, remote.transfer_id)
+            if problem is not None or not isinstance(reply, hs.PullReply):
+                self._fail_after_release(task, flat, problem or "not a pull reply")
                 return
-            if reply.transfer_id != remote.transfer_id:  # an answer to another pull
-                self._fail_after_release(task, flat, (
-                    f"P rank {p_rank} answered for transfer {reply.transfer_id!r}, not "
-                    f"{remote.transfer_id!r}: the reply is not this request's"))
-                return
-            checked = self._integrity_checked()
-            if checked and reply.num_descriptors and not reply.sample:
-                self._counters.add("integrity_failures")
-                self._fail_after_release(task, flat, (
-                    f"P rank {p_rank} wrote {reply.num_descriptors} descriptors and sent no "
-                    "integrity sample: the load is unproven (is verify_integrity false on "
-                    "prefill? set it the same on both instances)"))
-                return
-            read_kv = reg.read_kv
-            if reply.sample and checked and read_kv is not None:
-                stray = integrity.outside(list(reply.sample), list(reg.storages))
-                if stray is not None:
-                    self._fail_after_release(task, flat, (
-                        f"P rank {p_rank}: the reply's integrity sample names {stray[1]} "
-                        f"bytes at {stray[0]:#x}, outside this worker's KV caches"))
-                    return
-                got = integrity.checksum(list(reply.sample), read_kv)
-                if got != reply.sample_crc:
-                    self._counters.add("integrity_failures")
-                    self._fail_after_release(task, flat, (
-                        f"P rank {p_rank}: integrity check failed (crc {got:#x} != "
-                        f"{reply.sample_crc:#x}): the transport reported success but bytes "
-                        "did not land"))
-                    return
             clock.add_prefill(reply.timings)
             total += reply.num_bytes
             descriptors += reply.num_descriptors
@@ -242,6 +197,62 @@ class Puller:
         self._counters.add("recv_requests")
         with self._lock:
             self._finished[task.request_id] = clock
+
+    def _prefill_sheet(self, task: RecvTask, flat: list[int]) -> hs.FactSheet | None:
+        """The fact sheet of the prefill ``task`` names, checked against this worker's; None
+        when the handshake failed (the request is failed in the ledger)."""
+        remote = task.remote
+        try:
+            p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            if p_sheet.engine_id != remote.remote_engine_id:  # a cached sheet may be old
+                self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
+                p_sheet = self._remote_sheet(remote.remote_host, remote.remote_port)
+            if p_sheet.engine_id != remote.remote_engine_id:
+                raise hs.HandshakeError(
+                    f"prefill at {remote.remote_host}:{remote.remote_port} is engine "
+                    f"{p_sheet.engine_id!r}, the request's kv_transfer_params name "
+                    f"remote_engine_id={remote.remote_engine_id!r}: that port serves another "
+                    "instance (pass prefill's returned kv_transfer_params unchanged)")
+            hs.check_compatible(self._registration.sheet, p_sheet,
+                                skip_hash=self._settings.skip_compat_hash)
+            return p_sheet
+        except (hs.HandshakeError, TimeoutError, OSError) as exc:
+            self._peer_sheets.pop((remote.remote_host, remote.remote_port), None)
+            self._ledger.record("handshake", task.request_id, flat,
+                                str(exc) + wire_params.loopback_hint(remote.remote_host))
+            if isinstance(exc, hs.HandshakeError):  # P is reachable: let it free now
+                self._release(remote.transfer_id, remote, self._settings.handshake_timeout)
+            return None
+
+    def _reply_problem(self, p_rank: int, reply: hs.Message, transfer_id: str) -> str | None:
+        """Why prefill rank ``p_rank``'s answer does not prove the load (None: it does): a
+        refusal, an answer to another pull, or an integrity sample that is missing, names
+        memory outside this worker's KV caches, or does not match."""
+        if not isinstance(reply, hs.PullReply) or not reply.ok:
+            return f"P rank {p_rank}: {getattr(reply, 'error', type(reply).__name__)}"
+        if reply.transfer_id != transfer_id:  # an answer to another pull
+            return (f"P rank {p_rank} answered for transfer {reply.transfer_id!r}, not "
+                    f"{transfer_id!r}: the reply is not this request's")
+        checked = self._integrity_checked()
+        if checked and reply.num_descriptors and not reply.sample:
+            self._counters.add("integrity_failures")
+            return (f"P rank {p_rank} wrote {reply.num_descriptors} descriptors and sent no "
+                    "integrity sample: the load is unproven (is verify_integrity false on "
+                    "prefill? set it the same on both instances)")
+        read_kv = self._registration.read_kv
+        if not (reply.sample and checked and read_kv is not None):
+            return None
+        stray = integrity.outside(list(reply.sample), list(self._registration.storages))
+        if stray is not None:
+            return (f"P rank {p_rank}: the reply's integrity sample names {stray[1]} bytes at "
+                    f"{stray[0]:#x}, outside this worker's KV caches")
+        got = integrity.checksum(list(reply.sample), read_kv)
+        if got != reply.sample_crc:
+            self._counters.add("integrity_failures")
+            return (f"P rank {p_rank}: integrity check failed (crc {got:#x} != "
+                    f"{reply.sample_crc:#x}): the transport reported success but bytes did "
+                    "not land")
+        return None
 
     def _integrity_checked(self) -> bool:
         if not self._settings.verify_integrity:

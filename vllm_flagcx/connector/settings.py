@@ -76,8 +76,11 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
     return check
 
 
+# ``transport``: "auto" or a built-in transport (``transport_choice.BUILT_IN``, one each)
+TRANSPORT_NAMES = ("auto", "flagcx", "local")
+
 KEYS: dict[str, Callable[[str, Any], Any]] = {
-    "transport": _choice("auto", "flagcx", "local"),
+    "transport": _choice(*TRANSPORT_NAMES),
     "transport_factory": _text,
     "flagcx_library": _text,
     "flagcx_rdma_check": _bool,

@@ -11,6 +11,7 @@ process (``transport.flagcx.load_library``), whether ``auto`` probed it or not.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from vllm_flagcx.connector.settings import ConnectorSettings
@@ -70,15 +71,28 @@ def make_transport(settings: ConnectorSettings, vllm_config: Any, tp_rank: int,
                 f"{settings.transport_factory!r} returned {type(transport).__name__}, not "
                 "a vllm_flagcx.transport.base.Transport")
         return transport
-    if chosen_transport(settings) == "flagcx":
-        from vllm_flagcx.transport.flagcx import open_transport
+    return BUILT_IN[chosen_transport(settings)](settings, host_memory)
 
-        return open_transport(settings.flagcx_library, settings.side_channel_host,
-                              settings.flagcx_rdma_check, host_memory,
-                              settings.handshake_timeout)
+
+def _open_flagcx(settings: ConnectorSettings, host_memory: bool) -> Any:
+    from vllm_flagcx.transport.flagcx import open_transport
+
+    return open_transport(settings.flagcx_library, settings.side_channel_host,
+                          settings.flagcx_rdma_check, host_memory, settings.handshake_timeout)
+
+
+def _open_local(settings: ConnectorSettings, host_memory: bool) -> Any:
     from vllm_flagcx.transport.local import LocalTransport
 
     return LocalTransport()
+
+
+# The built-in transports by their ``transport`` name (besides "auto"), each opened from
+# the checked settings; imported on first use, so choosing one never loads the other.
+BUILT_IN: dict[str, Callable[[ConnectorSettings, bool], Any]] = {
+    "flagcx": _open_flagcx,
+    "local": _open_local,
+}
 
 
 def load_factory(path: str) -> Any:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from vllm_flagcx.connector.settings import ConnectorSettings
 from vllm_flagcx.wire import handshake as hs
+
+# Every default a user can set is ConnectorSettings' (its one statement of each); the
+# worker only adds what it alone needs (peer_ttl, peer_probe_seconds, host_memory, ...).
+_USER = ConnectorSettings()
 
 
 @dataclass(frozen=True)
@@ -19,22 +24,19 @@ class WorkerSettings:
     tp_rank: int
     tp_size: int
     layout: hs.LayoutFacts
-    bind_host: str = "127.0.0.1"
-    side_channel_port: int = 0  # P: base port; rank r listens on base + r
-    handshake_timeout: float = 10.0  # 5 s once ran out behind a CPU-starved prefill
-    recv_timeout: float = 40.0  # longer than the prefill lease
-    lease_seconds: float = 30.0
-    skip_compat_hash: bool = False
+    bind_host: str = _USER.bind_host
+    side_channel_port: int = _USER.side_channel_port  # P: base; rank r listens on base + r
+    handshake_timeout: float = _USER.handshake_timeout
+    recv_timeout: float = _USER.pull_timeout  # longer than the prefill lease
+    lease_seconds: float = _USER.lease_seconds
+    skip_compat_hash: bool = not _USER.enforce_handshake_compat
     peer_ttl: float = 300.0  # re-handshake a cached prefill after this long (restarts)
     peer_probe_seconds: float = 1.0  # while waiting on prefill, check it still listens
-    verify_integrity: bool = True  # checksum a sample of every transfer
-    # P: a claimed write not started this long after its claim is dropped (writers busy)
-    write_start_timeout: float = 5.0
-    # D: after a failed pull, how long to keep the blocks while prefill has not confirmed
-    # that no write into them is in flight (retrying the Release); then they go back
-    release_hold_seconds: float = 600.0
+    verify_integrity: bool = _USER.verify_integrity  # checksum a sample of every transfer
+    write_start_timeout: float = _USER.write_start_timeout
+    release_hold_seconds: float = _USER.release_hold_seconds
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
-    test_faults: bool = False  # honour kv_transfer_params.flagcx_test_fault (tests only)
-    log_timelines: bool = False  # one wire.timeline line per load at INFO (else DEBUG)
+    test_faults: bool = _USER.test_faults  # honour kv_transfer_params.flagcx_test_fault
+    log_timelines: bool = _USER.log_timelines  # one wire.timeline line per load at INFO
     incarnation: str = field(default_factory=lambda: f"{time.time_ns():x}")
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
