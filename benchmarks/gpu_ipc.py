@@ -51,12 +51,14 @@ def measure(repeats: int = REPEATS) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'descriptors':>11} {'MB':>8} {'IPC ms':>8} {'IPC GB/s':>9} {'us/desc':>8} "
-             f"{'1 memcpy/desc GB/s':>19} {'d2d GB/s':>9} {'ratio':>6}"]
+             f"{'1 memcpy/desc GB/s':>19} {'d2d GB/s':>9} {'ratio':>6} {'checks us':>9} "
+             f"{'driver us':>9} {'device us':>9}"]
     for r in rows:
         lines.append(f"{r['descriptors']:>11} {r['bytes'] / 1e6:>8.1f} {r['ipc_ms']:>8.2f} "
                      f"{r['ipc_GBps']:>9.1f} {r['us_per_descriptor']:>8.2f} "
                      f"{r['memcpy_each_GBps']:>19.1f} {r['d2d_copy_GBps']:>9.1f} "
-                     f"{r['ratio']:>6.3f}")
+                     f"{r['ratio']:>6.3f} {r.get('checks_us', 0):>9.1f} "
+                     f"{r.get('driver_call_us', 0):>9.1f} {r.get('device_us', 0):>9.1f}")
     return "\n".join(lines)
 
 
@@ -70,6 +72,51 @@ def _timed(p, handle, s_addr, d_addr, length, kernel: bool, repeats: int) -> lis
         assert p.write(handle, s_addr, d_addr, length).ok
         out.append(time.perf_counter() - start)
     return out
+
+
+def _phases(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
+    """Where one write's time goes (medians, us): the host's checks and IPC mapping (the
+    write with the copy switched off), the driver call (descriptor upload + kernel +
+    stream sync, wall), and the device's own time for upload + kernel (CUDA events)."""
+    import ctypes
+
+    from vllm_flagcx.transport import cuda_ipc
+
+    cuda = cuda_ipc.driver()
+    real = cuda_ipc.CudaDriver.copy_batch
+    captured = {}
+
+    def no_copy(self, ordinal, dst, src, n):
+        captured.update(ordinal=ordinal, dst=dst.copy(), src=src.copy(), length=n.copy())
+
+    cuda_ipc.CudaDriver.copy_batch = no_copy
+    try:
+        checks = _timed(p, handle, s_addr, d_addr, length, True, repeats)
+    finally:
+        cuda_ipc.CudaDriver.copy_batch = real
+    args = (captured["ordinal"], captured["dst"], captured["src"], captured["length"])
+    call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        cuda.copy_batch(*args)
+        call.append(time.perf_counter() - start)
+    lib, stream = cuda.lib, cuda._local.stream
+    kernel = cuda._kernel(args[0])
+    begin, end = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.cuEventCreate(ctypes.byref(begin), 0)
+    lib.cuEventCreate(ctypes.byref(end), 0)
+    device = []
+    for _ in range(repeats):
+        lib.cuEventRecord(begin, stream)
+        kernel.run(stream, args[1], args[2], args[3])
+        lib.cuEventRecord(end, stream)
+        lib.cuStreamSynchronize(stream)
+        ms = ctypes.c_float(0)
+        lib.cuEventElapsedTime(ctypes.byref(ms), begin, end)
+        device.append(ms.value / 1e3)
+    return {"checks_us": statistics.median(checks) * 1e6,
+            "driver_call_us": statistics.median(call) * 1e6,
+            "device_us": statistics.median(device) * 1e6}
 
 
 def _run(conn, desc, d_base, pool, repeats: int) -> dict:
@@ -113,7 +160,8 @@ def _run(conn, desc, d_base, pool, repeats: int) -> dict:
             base_times.append(time.perf_counter() - start)
         moved = n * size
         med, base = statistics.median(times), statistics.median(base_times)
-        rows.append({"descriptors": n, "bytes": moved, "ipc_ms": med * 1e3,
+        phases = _phases(p, handle, s_addr, d_addr, length, repeats)
+        rows.append({**phases, "descriptors": n, "bytes": moved, "ipc_ms": med * 1e3,
                      "memcpy_each_GBps": moved / statistics.median(per_desc) / 1e9,
                      "ipc_GBps": moved / med / 1e9, "us_per_descriptor": med / n * 1e6,
                      "d2d_copy_GBps": moved / base / 1e9, "ratio": base / med,
