@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_flagcx.layout.regions import Region, Section
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.params import (
     TransferParamsError,
@@ -64,8 +65,8 @@ def test_tampered_hash_detected():
 
 
 def test_messages_round_trip():
-    sheet = _sheet(regions=(hs.RegionInfo("l.kv", "l", 0, "full_attention", 4096, 1024, 8,
-                                          1024, (hs.SectionInfo("heads", 0, 2, 512, 2),)),))
+    sheet = _sheet(regions=(Region("l.kv", "l", 0, "full_attention", 4096, 1024, 8,
+                                   1024, (Section("heads", 0, 2, 512, 2),)),))
     for message in (hs.HandshakeRequest(1, 3), hs.HandshakeReply(sheet),
                     hs.HandshakeRefused("nope")):
         assert hs.decode(hs.encode(message)) == message

@@ -13,10 +13,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-import msgspec
-
 from vllm_flagcx.layout import plans
-from vllm_flagcx.layout.regions import Region, Section, storage_spans
+from vllm_flagcx.layout.regions import Region, storage_spans
 from vllm_flagcx.wire import handshake as hs
 
 MAX_TP = 1024
@@ -38,13 +36,6 @@ def pull_problem(pull: hs.PullRequest, num_groups: int) -> str:
     if any(b < 0 or b >= 1 << 31 for group in pull.block_ids for b in group):
         return "a block id outside 0 .. 2**31"
     return ""
-
-
-def region_from_info(info: hs.RegionInfo) -> Region:
-    """A region as a peer's fact sheet states it."""
-    return Region(info.name, info.layer, info.group, info.kind, info.base, info.block_stride,
-                  info.num_blocks, info.block_bytes,
-                  tuple(Section(*msgspec.structs.astuple(s)) for s in info.sections))
 
 
 @dataclass(frozen=True)
@@ -80,7 +71,7 @@ class ReceiverCache:
             known = self._known.get(key)
         if known is None:
             pair = plans.RankPair(self._tp_rank, self._tp_size, sheet.tp_rank, sheet.tp_size)
-            regions = [region_from_info(r) for r in sheet.regions]
+            regions = list(sheet.regions)
             built = Receiver(sheet, plans.build_table(local_regions, regions, pair,
                                                       num_groups=self._num_groups),
                              storage_spans(regions))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_flagcx.connector import integrity
-from vllm_flagcx.layout.regions import Region, Section, kernel_ratios, storage_spans
+from vllm_flagcx.layout.regions import Region, kernel_ratios, storage_spans
 from vllm_flagcx.wire import handshake as hs
 
 if TYPE_CHECKING:
@@ -46,20 +46,7 @@ def register(settings: WorkerSettings, transport: Transport, regions: list[Regio
                           incarnation=settings.incarnation, tp_size=settings.tp_size,
                           tp_rank=settings.tp_rank, transport=transport.name,
                           transport_desc=transport.describe(),
-                          regions=tuple(region_info(r) for r in regions))
+                          regions=tuple(regions))
     read_kv = integrity.reader(settings.host_memory) if settings.verify_integrity else None
     return Registration(tuple(regions), tuple(ratios), tuple(spans), sheet,
                         dict(views or {}), read_kv)
-
-
-def region_info(region: Region) -> hs.RegionInfo:
-    """A region as this worker's fact sheet states it (``receivers.region_from_info`` is
-    the way back)."""
-    return hs.RegionInfo(region.name, region.layer, region.group, region.kind, region.base,
-                         region.block_stride, region.num_blocks, region.block_bytes,
-                         tuple(_section_info(s) for s in region.sections))
-
-
-def _section_info(s: Section) -> hs.SectionInfo:
-    return hs.SectionInfo(s.name, s.offset, s.units, s.unit_bytes, s.global_units, s.repeats,
-                          s.repeat_stride, s.replicated)

@@ -2,7 +2,9 @@
 
 Pure data and pure functions (no torch, no vLLM): the worker reads tensor facts through
 ``vllm_flagcx.compat`` and calls one function per layer kind here. A plan
-(``layout.plans``) only needs these descriptions.
+(``layout.plans``) only needs these descriptions. ``Region`` and ``Section`` are frozen
+msgspec Structs, so a worker's fact sheet (``wire.handshake``) carries them as they are:
+one region type on both sides of the side channel, no converters.
 
 Model. A ``Region`` is one registered range repeated per block: block ``b`` starts at
 ``base + b * block_stride``. Inside a block, ``Section``s say which bytes belong to which
@@ -23,15 +25,16 @@ Per layer kind (the seed design note's table):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import msgspec
 
 
 class RegionError(ValueError):
     """A cache tensor whose layout the connector cannot describe."""
 
 
-@dataclass(frozen=True)
-class Section:
+class Section(msgspec.Struct, frozen=True, array_like=True):
     """``units`` TP-sharded units of ``unit_bytes`` inside each block."""
 
     name: str
@@ -48,8 +51,7 @@ class Section:
         return self.units * self.unit_bytes
 
 
-@dataclass(frozen=True)
-class Region:
+class Region(msgspec.Struct, frozen=True, array_like=True):
     """One registered memory range, described per block."""
 
     name: str  # "layer.k", "layer.v", "layer.kv", "layer.state", ...
@@ -60,7 +62,7 @@ class Region:
     block_stride: int  # bytes between consecutive blocks
     num_blocks: int
     block_bytes: int  # bytes of one block that belong to the region
-    sections: tuple[Section, ...] = field(default=())
+    sections: tuple[Section, ...] = ()
 
     @property
     def end(self) -> int:

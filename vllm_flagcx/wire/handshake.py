@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_flagcx.layout.regions import Region
+
 PROTOCOL_VERSION = 2  # 2: LayoutFacts.cache_format
 
 
@@ -24,29 +26,6 @@ UNKNOWN_FORMAT = "unknown"
 
 class HandshakeError(ValueError):
     """P and D cannot pair, or a handshake message is malformed."""
-
-
-class SectionInfo(msgspec.Struct, frozen=True, array_like=True):
-    name: str
-    offset: int
-    units: int
-    unit_bytes: int
-    global_units: int
-    repeats: int = 1
-    repeat_stride: int = 0
-    replicated: bool = False
-
-
-class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
-    name: str
-    layer: str
-    group: int
-    kind: str
-    base: int
-    block_stride: int
-    num_blocks: int
-    block_bytes: int
-    sections: tuple[SectionInfo, ...] = ()
 
 
 class LayoutFacts(msgspec.Struct, frozen=True):
@@ -82,7 +61,7 @@ class FactSheet(msgspec.Struct, frozen=True):
     dp_rank: int = 0
     transport: str = ""
     transport_desc: bytes = b""
-    regions: tuple[RegionInfo, ...] = ()
+    regions: tuple[Region, ...] = ()
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True, tag="hello"):
