@@ -126,3 +126,12 @@ def test_every_required_feature_is_read_by_the_package():
     _, _, features, _ = _usage()
     required = {f.key for f in FEATURES if f.required}
     assert required - features == set(), "required but never read: the doctor would demand it"
+
+
+def test_every_required_feature_is_read_by_the_product():
+    """"Required" means the connector calls it: a feature only the tests read is
+    informational, so the porting checklist never calls a working vendor build
+    unsupported for it (issue 26)."""
+    _, _, read_by_product, _ = _usage()
+    required = {f.key for f in FEATURES if f.required}
+    assert required - read_by_product == set(), "required, but the product never reads it"

@@ -20,10 +20,10 @@ import pytest
 from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 from testkit.transport_standin import Faults
+from testkit.vllm_reads import failure_policy
 
 from vllm_flagcx.compat.blocks import strip_null_blocks
 from vllm_flagcx.compat.capabilities import capabilities
-from vllm_flagcx.compat.config import failure_policy
 from vllm_flagcx.compat.kv_cache import SpecKind, group_facts
 from vllm_flagcx.compat.recovery import NATIVE, SCHEDULER_FAILED_SET, recovery_probe
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from testkit import pd_harness as pd
+from testkit.vllm_reads import failure_policy
 
-from vllm_flagcx.compat.config import failure_policy
 from vllm_flagcx.layout import logical, plans
 from vllm_flagcx.layout.logical import LayerFacts, LogicalKey
 

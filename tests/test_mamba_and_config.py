@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from testkit import vllm_harness as harness
+from testkit import vllm_reads
 
 from vllm_flagcx.compat import config, mamba
 
@@ -43,7 +44,7 @@ def test_dp_index_and_failure_policy(matrix_build):
     vllm_config = harness.make_vllm_config()
     assert config.dp_index(vllm_config.parallel_config) == 0
     expected = matrix_build.profile["kv_load_failure_policy_default"]
-    assert config.failure_policy(vllm_config.kv_transfer_config) == expected
+    assert vllm_reads.failure_policy(vllm_config.kv_transfer_config) == expected
 
 
 def test_removed_fields_read_with_defaults(matrix_build):
@@ -66,9 +67,10 @@ def test_resumed_request_ids_on_a_real_scheduler_output(matrix_build):
     request = harness.make_request(20)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    assert config.resumed_request_ids(out, seen_new_before=set()) == set()
+    assert vllm_reads.resumed_request_ids(out, seen_new_before=set()) == set()
     if matrix_build.profile["resumed_requests"] == "scheduled_new_reqs":
-        assert config.resumed_request_ids(out, {request.request_id}) == {request.request_id}
+        assert vllm_reads.resumed_request_ids(out, {request.request_id}) == {
+            request.request_id}
 
 
 @pytest.mark.parametrize("arg", [{"r1", "r2"}, "metadata"])

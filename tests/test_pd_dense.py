@@ -136,7 +136,7 @@ def assert_policy_outcome(d, records) -> None:
     """Each failed dense load ended as vLLM's ``kv_load_failure_policy`` says: ``fail`` ->
     finished with an error; ``recompute`` (and builds without the field) -> decode computed
     the prompt itself and generated to its length."""
-    from vllm_flagcx.compat.config import failure_policy
+    from testkit.vllm_reads import failure_policy
 
     policy = failure_policy(d.scheduler.vllm_config.kv_transfer_config)
     finished = pd.finished_ids(d)

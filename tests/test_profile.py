@@ -53,7 +53,7 @@ def test_facade_modules_expose_their_wrappers():
                attention.kv_layout, blocks.block_ids, blocks.unhashed_block_ids_all_groups,
                blocks.hma_state, kv_cache.spec_kind, kv_cache.kv_cache_tensors,
                kv_cache.group_facts, mamba.conv_state_layout, mamba.truncate_for_prefill,
-               config.dp_index, config.failure_policy,
+               config.dp_index,
                plugin.register):
         assert callable(fn)
 

@@ -53,8 +53,8 @@ MOVED_NAMES: tuple[MovedName, ...] = (
               (f"{_KVT}.v1.metrics:KVConnectorPromMetrics",), False,
               "KVConnectorPromMetrics (per-connector Prometheus metrics)"),
     MovedName("KVTransferConfig", "config", ("vllm.config:KVTransferConfig",
-                                             "vllm.config.kv_transfer:KVTransferConfig"), True,
-              "KVTransferConfig with kv_connector_extra_config"),
+                                             "vllm.config.kv_transfer:KVTransferConfig"), False,
+              "KVTransferConfig (its failure-policy default; read by the tests only)"),
     # --- attention -----------------------------------------------------------------
     MovedName("AttentionBackend", "attention", ("vllm.v1.attention.backend:AttentionBackend",
                                                 "vllm.attention.backends.abstract:AttentionBackend"),

@@ -339,11 +339,11 @@ FEATURES: tuple[FeatureProbe, ...] = (
     FeatureProbe("mamba_align_external_tokens", "mamba", _mamba_align_external_tokens, False,
                  "Scheduler._mamba_block_aligned_split accepting external (remote) tokens"
                  " (prefix caching on a hybrid decode)"),
-    FeatureProbe("resumed_requests", "blocks", _resumed_requests, True,
+    FeatureProbe("resumed_requests", "blocks", _resumed_requests, False,
                  "CachedRequestData.resumed_req_ids or resumed requests in scheduled_new_reqs"),
     FeatureProbe("dp_index_field", "config", _dp_index_field, True,
                  "ParallelConfig.data_parallel_index (0.17+) or data_parallel_rank"),
-    FeatureProbe("kv_load_failure_policy_default", "config", _failure_policy_default, True,
+    FeatureProbe("kv_load_failure_policy_default", "config", _failure_policy_default, False,
                  "KVTransferConfig.kv_load_failure_policy"),
     FeatureProbe("legacy_kv_fields", "config", _legacy_kv_fields, False,
                  "KVTransferConfig kv_ip/kv_rank/... (forbidden from 0.34)"),
