@@ -19,7 +19,7 @@ BUDGET = {
     "layout": 0,  # the pure floor: no Any at all
     "wire": 22,
     "transport": 10,
-    "compat": 100,
+    "compat": 98,
     "connector": 101,
     "router": 26,
     "demo": 10,

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_flagcx.connector.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm_flagcx.transport.base import Transport
 
 
 def flagcx_available(configured_library: str | None = None, rdma_check: bool = True
@@ -74,14 +77,14 @@ def make_transport(settings: ConnectorSettings, vllm_config: Any, tp_rank: int,
     return BUILT_IN[chosen_transport(settings)](settings, host_memory)
 
 
-def _open_flagcx(settings: ConnectorSettings, host_memory: bool) -> Any:
+def _open_flagcx(settings: ConnectorSettings, host_memory: bool) -> Transport:
     from vllm_flagcx.transport.flagcx import open_transport
 
     return open_transport(settings.flagcx_library, settings.side_channel_host,
                           settings.flagcx_rdma_check, host_memory, settings.handshake_timeout)
 
 
-def _open_local(settings: ConnectorSettings, host_memory: bool) -> Any:
+def _open_local(settings: ConnectorSettings, host_memory: bool) -> Transport:
     from vllm_flagcx.transport.local import LocalTransport
 
     return LocalTransport()
@@ -89,7 +92,7 @@ def _open_local(settings: ConnectorSettings, host_memory: bool) -> Any:
 
 # The built-in transports by their ``transport`` name (besides "auto"), each opened from
 # the checked settings; imported on first use, so choosing one never loads the other.
-BUILT_IN: dict[str, Callable[[ConnectorSettings, bool], Any]] = {
+BUILT_IN: dict[str, Callable[[ConnectorSettings, bool], Transport]] = {
     "flagcx": _open_flagcx,
     "local": _open_local,
 }
