@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -85,7 +86,7 @@ def _error(exc: LegError) -> JSONResponse:
 
 def build_app(proxy: Proxy) -> FastAPI:
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await proxy.client.aclose()
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from vllm_flagcx.router.pool import Pool, RouterConfigError, parse_instance
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build(args: argparse.Namespace):
+def build(args: argparse.Namespace) -> FastAPI:
     """The FastAPI app for parsed arguments (RouterConfigError names a bad flag)."""
     from vllm_flagcx.router.app import build_app
     from vllm_flagcx.router.legs import RouterSettings
