@@ -11,7 +11,7 @@ caches are registered.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_flagcx.compat import config as compat_config
 from vllm_flagcx.compat import kv_cache as compat_kv
@@ -45,6 +45,9 @@ from vllm_flagcx.connector.settings import (
 )
 from vllm_flagcx.connector.transport_choice import make_transport
 from vllm_flagcx.wire import auth
+
+if TYPE_CHECKING:
+    from vllm_flagcx.connector.worker import WorkerHalf
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -91,6 +94,18 @@ def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[st
                 compat_mamba.conv_state_layout(), group_kinds, engine_id)
 
 
+def side_channel_base(base_port: int, dp_rank: int, tp_size: int) -> int:
+    """The first side-channel port of this DP rank: ``base + dp_rank x TP`` (its TP ranks
+    listen on that + rank); SettingsError naming the setting when that runs past 65535."""
+    first = base_port + dp_rank * tp_size
+    if first + tp_size - 1 > 65535:
+        raise SettingsError(
+            f"kv_connector_extra_config.side_channel_port={base_port}: with TP {tp_size} "
+            f"and DP rank {dp_rank} the side channel would need ports up to "
+            f"{first + tp_size - 1}; use a lower base port")
+    return first
+
+
 class FlagCXConnector(PortableConnectorBase):
     """Prefill/decode KV connector over FlagCX (HMA-aware: one block list per group)."""
 
@@ -109,45 +124,46 @@ class FlagCXConnector(PortableConnectorBase):
             getattr(ktc, "kv_connector_extra_config", None))
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
-        base_port = self.settings.side_channel_port
-        self.side_channel_port = base_port + compat_config.dp_index(parallel) * self.tp_size
-        if self.side_channel_port + self.tp_size - 1 > 65535:
-            raise SettingsError(
-                f"kv_connector_extra_config.side_channel_port={base_port}: with TP "
-                f"{self.tp_size} and this DP rank the side channel would need ports up to "
-                f"{self.side_channel_port + self.tp_size - 1}; use a lower base port")
+        self.side_channel_port = side_channel_base(self.settings.side_channel_port,
+                                                   compat_config.dp_index(parallel),
+                                                   self.tp_size)
         self.engine_id = str(getattr(ktc, "engine_id", None) or "flagcx")
         # The side channel's MAC key (wire.auth): loaded once, never logged.
         self._key = auth.load_key(self.settings.side_channel_secret_file)
         self.scheduler: SchedulerHalf | None = None
-        self.worker: Any = None
+        self.worker: WorkerHalf | None = None
         if self.is_scheduler:
-            # vLLM's Scheduler is constructing us: find it now (compat.recovery says why).
-            recovery = LoadFailureRecovery(find_owning_scheduler())
-            self.scheduler = SchedulerHalf(SchedulerSettings(
-                engine_id=self.engine_id,
-                side_channel_host=self.settings.side_channel_host,
-                side_channel_port=self.side_channel_port, tp_size=self.tp_size,
-                lease_seconds=self.settings.lease_seconds,
-                first_lease_seconds=self.settings.initial_lease, key=self._key),
-                kv_cache_config, recovery)
-            if (bool(ktc.is_kv_consumer) and self.scheduler.has_sliding
-                    and recovery.mode is None):
-                raise RuntimeError(
-                    "FlagCXConnector (decode): this vLLM build gives a connector no way to "
-                    "recompute a failed KV load over a clean block table (no "
-                    "KVConnectorOutput.failed_recving, and Scheduler."
-                    "_update_waiting_for_remote_kv does not free failed loads, or the "
-                    "scheduler was not found), and this model has sliding-window layers, "
-                    "where a recompute over the loaded blocks gives wrong output. Run this "
-                    "instance as kv_role=kv_producer, or use vLLM >= 0.18 for decode. "
-                    "Run `vllm-flagcx doctor`.")
-            log_capabilities_once(vllm_config, self.engine_id,
-                                  [g.kind.value for g in self.scheduler.groups])
+            self.scheduler = self._make_scheduler(vllm_config, kv_cache_config)
         self._metadata_payload: FlagCXMetadataPayload | None = None
         # How failed receives are reported (connector.scheduler says why); fixed per model.
         self._failures_per_request = reports_failures_per_request(
             compat_kv.group_facts(kv_cache_config) if kv_cache_config else [])
+
+    def _make_scheduler(self, vllm_config: Any, kv_cache_config: Any) -> SchedulerHalf:
+        """The scheduler half; vLLM's Scheduler is constructing us, so it is found now
+        (``compat.recovery`` says why). A decode of a sliding-window model on a build with
+        no clean recompute path is refused here, naming the fix."""
+        recovery = LoadFailureRecovery(find_owning_scheduler())
+        half = SchedulerHalf(SchedulerSettings(
+            engine_id=self.engine_id, side_channel_host=self.settings.side_channel_host,
+            side_channel_port=self.side_channel_port, tp_size=self.tp_size,
+            lease_seconds=self.settings.lease_seconds,
+            first_lease_seconds=self.settings.initial_lease, key=self._key),
+            kv_cache_config, recovery)
+        if (bool(vllm_config.kv_transfer_config.is_kv_consumer) and half.has_sliding
+                and recovery.mode is None):
+            raise RuntimeError(
+                "FlagCXConnector (decode): this vLLM build gives a connector no way to "
+                "recompute a failed KV load over a clean block table (no "
+                "KVConnectorOutput.failed_recving, and Scheduler."
+                "_update_waiting_for_remote_kv does not free failed loads, or the "
+                "scheduler was not found), and this model has sliding-window layers, "
+                "where a recompute over the loaded blocks gives wrong output. Run this "
+                "instance as kv_role=kv_producer, or use vLLM >= 0.18 for decode. "
+                "Run `vllm-flagcx doctor`.")
+        log_capabilities_once(vllm_config, self.engine_id,
+                              [g.kind.value for g in half.groups])
+        return half
 
     # ---------------------------------------------------------------- scheduler side
     def _scheduler_half(self) -> SchedulerHalf:
@@ -198,7 +214,7 @@ class FlagCXConnector(PortableConnectorBase):
         return required_kv_layout_name(is_mla=bool(getattr(model, "use_mla", False)))
 
     # ---------------------------------------------------------------- worker side
-    def _make_worker(self, regions: list[Any], host_memory: bool) -> Any:
+    def _make_worker(self, regions: list[Any], host_memory: bool) -> WorkerHalf:
         from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings
         from vllm_flagcx.connector.worker_setup import layout_facts
 

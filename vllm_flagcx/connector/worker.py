@@ -61,7 +61,7 @@ class WorkerHalf:
         self.puller: Puller | None = None  # decode (made at registration)
         self._lock = threading.Lock()
         self._pending_invalid: set[int] = set()
-        self.failed_last_step: set[RequestId] = set()
+        self.failed_last_step: set[str] = set()  # vLLM request ids whose load failed
 
     # ---------------------------------------------------------------- registration
     def register_regions(self, regions: list[Region], serve: bool,
@@ -113,7 +113,7 @@ class WorkerHalf:
         loaded = self.puller.take_finished() if self.puller is not None else {}
         with self._lock:
             self._pending_invalid |= blocks
-            self.failed_last_step = {RequestId(r) for r in failed}
+            self.failed_last_step = failed
         sending = self.sends.take_done()
         self._log_timelines(loaded)
         return sending, set(loaded) | failed
