@@ -113,3 +113,12 @@ def test_every_transport_name_but_auto_is_one_built_in_transport():
     assert set(TRANSPORT_NAMES) == {"auto", *BUILT_IN}
     with pytest.raises(SettingsError, match="auto, flagcx, local"):
         checked_extra_config({"transport": "nixl"})
+
+
+def test_each_dp_rank_gets_its_own_side_channel_ports_and_an_overflow_names_the_setting():
+    from vllm_flagcx.connector.entry import side_channel_base
+
+    assert [side_channel_base(5600, dp, 4) for dp in range(3)] == [5600, 5604, 5608]
+    assert side_channel_base(65532, 0, 4) == 65532  # ranks 65532 .. 65535
+    with pytest.raises(SettingsError, match=r"side_channel_port=65530: .*up to 65537"):
+        side_channel_base(65530, 1, 4)
