@@ -90,3 +90,43 @@ def test_holds_answers_the_same_whether_or_not_it_tries_common_first():
         across = one.copy()
         across[-1] = 8 * 10_000 - 50  # ends past range 7
         assert not table.holds(across, length)
+
+
+def test_a_right_hint_is_the_answer_and_a_wrong_one_falls_back_to_the_search():
+    table = RangeTable([(1000, 2000), (0, 500), (5000, 6000)])  # given out of order
+    start, length = _u64([10, 1500, 5990, 400]), _u64([5, 100, 10, 100])
+    truth = table.index(start, length)
+    assert truth.tolist() == [1, 0, 2, 1]
+    right = np.array([1, 0, 2, 1])
+    assert table.hinted(start, length, right).tolist() == truth.tolist()
+    assert table.locate(start, length, right).tolist() == truth.tolist()  # small: searched
+    for wrong in (np.array([0, 0, 2, 1]), np.array([1, 0, 3, 1]), np.array([-1, 0, 2, 1]),
+                  np.array([1, 0])):
+        assert table.hinted(start, length, wrong) is None
+        assert table.locate(start, length, wrong).tolist() == truth.tolist()
+    # a descriptor outside every range stays outside whatever the hint names
+    outside = _u64([10, 2500]), _u64([5, 10])
+    assert table.locate(*outside, np.array([1, 0])).tolist() == [1, OUTSIDE]
+    assert not table.holds(*outside, np.array([1, 0]))
+    # a length that wraps past 2**64 is never taken on a hint
+    wrap = _u64([1000]), _u64([(1 << 64) - 500])
+    assert table.hinted(*wrap, np.array([0])) is None
+    assert not table.holds(*wrap, np.array([0]))
+
+
+def test_a_large_batch_takes_a_right_hint_and_still_refuses_what_is_outside():
+    from vllm_flagcx.transport.address_ranges import HINTS_FROM
+
+    ranges = [(k * 10_000, k * 10_000 + 5_000) for k in range(40)][::-1]  # given reversed
+    table = RangeTable(ranges)
+    rng = np.random.default_rng(7)
+    k = rng.integers(0, 40, HINTS_FROM + 100)
+    start = _u64((k * 10_000 + rng.integers(0, 4_000, k.size)).tolist())
+    length = _u64([64] * k.size)
+    hint = 39 - k  # the index of range k in the given (reversed) order
+    assert table.locate(start, length, hint).tolist() == table.index(start, length).tolist()
+    assert table.hinted(start, length, hint) is not None
+    start[5] = np.uint64(7_000)  # between ranges 0 and 1: outside whatever is named
+    assert table.hinted(start, length, hint) is None
+    assert table.locate(start, length, hint)[5] == OUTSIDE
+    assert not table.holds(start, length, hint)

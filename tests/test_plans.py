@@ -298,3 +298,37 @@ def test_table_range_checks_name_the_group():
         table.plan([[32], [2]], [[1], [3]], kernel_ratios=[2, 1])
     with pytest.raises(PlanError, match="3 KV cache groups"):
         table.plan([[1], [2], [3]], [[1], [2], [3]])
+
+
+def test_a_table_given_the_spans_names_each_descriptors_span_and_the_check_gathers():
+    """With both sides' storage spans, every descriptor carries the index of the span it
+    lies in (coalesced runs included); check_within then holds each descriptor to its
+    named span, and a wrong hint never lets a descriptor outside through."""
+    p_side, d_side = _two_group_regions(1 << 30, 2), _two_group_regions(1 << 34, 2)
+    p_spans, d_spans = regions.storage_spans(p_side), regions.storage_spans(d_side)
+    assert len(p_spans) == len(d_spans) == 2  # the attention and the MLA storage
+    table = plans.build_table(p_side, d_side, RankPair(0, 1, 0, 1), sender_spans=p_spans,
+                              receiver_spans=d_spans)
+    plan = table.plan([[5, 6, 7, 20], [3, 9]], [[1, 2, 9, 10], [4, 5]], kernel_ratios=[2, 1])
+    assert plan.src_span is not None and plan.dst_span is not None
+    for addr, named, spans in ((plan.src, plan.src_span, p_spans),
+                               (plan.dst, plan.dst_span, d_spans)):
+        truth = [next(i for i, (s, n) in enumerate(spans) if s <= a < s + n)
+                 for a in addr.tolist()]
+        assert named.tolist() == truth
+    plans.check_within(plan, p_spans, d_spans)
+    # the same plan with its hints swapped is still accepted (hints are only guesses) ...
+    swapped = plans.TransferPlan(plan.src, plan.dst, plan.length, 1 - plan.src_span,
+                                 1 - plan.dst_span)
+    plans.check_within(swapped, p_spans, d_spans)
+    # ... and a descriptor outside every span is refused whatever its hint names
+    bad_dst = plan.dst.copy()
+    bad_dst[-1] = np.uint64((1 << 34) + (1 << 26))
+    for hint in (plan.dst_span, 1 - plan.dst_span, None):
+        with pytest.raises(PlanError, match=f"descriptor {plan.num_descriptors - 1}: "
+                                            "destination"):
+            plans.check_within(plans.TransferPlan(plan.src, bad_dst, plan.length,
+                                                  plan.src_span, hint), p_spans, d_spans)
+    # without the spans the table names nothing, as before
+    assert plans.build_table(p_side, d_side, RankPair(0, 1, 0, 1)).plan(
+        [[5], [3]], [[1], [4]], kernel_ratios=[2, 1]).dst_span is None

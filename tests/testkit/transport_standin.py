@@ -69,8 +69,9 @@ class MemmoveTransport(Transport):
             raise TransportError(f"no endpoint {peer!r}")
         return endpoint
 
-    def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
-              length: np.ndarray) -> WriteResult:
+    def write(self, handle: object, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+              src_hint: np.ndarray | None = None,
+              dst_hint: np.ndarray | None = None) -> WriteResult:
         with _lock:
             index, self.writes = self.writes, self.writes + 1
         if self.faults.delay_seconds:

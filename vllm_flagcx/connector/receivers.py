@@ -72,9 +72,12 @@ class ReceiverCache:
         if known is None:
             pair = plans.RankPair(self._tp_rank, self._tp_size, sheet.tp_rank, sheet.tp_size)
             regions = list(sheet.regions)
-            built = Receiver(sheet, plans.build_table(local_regions, regions, pair,
-                                                      num_groups=self._num_groups),
-                             storage_spans(regions))
+            spans = storage_spans(regions)
+            table = plans.build_table(local_regions, regions, pair,
+                                      num_groups=self._num_groups,
+                                      sender_spans=storage_spans(local_regions),
+                                      receiver_spans=spans)
+            built = Receiver(sheet, table, spans)
             with self._lock:
                 if len(self._known) >= MAX_RECEIVERS:  # decode restarts: drop stale ones
                     self._known.clear()

@@ -96,7 +96,8 @@ class SideChannelWrites:
             if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
                 return hs.PullReply(pull.transfer_id, True)
             handle = self._connection(receiver.sheet)
-            result = self._transport.write(handle, plan.src, plan.dst, plan.length)
+            result = self._transport.write(handle, plan.src, plan.dst, plan.length,
+                                           plan.src_span, plan.dst_span)
         except Exception as exc:  # whatever a pull names, the transfer ends and is freed
             self._connections.pop(pull.sheet.incarnation, None)
             return hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")

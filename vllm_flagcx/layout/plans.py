@@ -37,6 +37,11 @@ class TransferPlan:
     src: np.ndarray  # uint64 addresses in the sender
     dst: np.ndarray  # uint64 addresses in the receiver
     length: np.ndarray  # uint64 byte counts
+    # Per descriptor, the index of the storage span (``regions.storage_spans`` of each
+    # side's regions, sorted) it lies in, where the table knew the spans: a hint that lets
+    # the bounds checks gather instead of search. A hint is checked, never trusted.
+    src_span: np.ndarray | None = None
+    dst_span: np.ndarray | None = None
 
     @property
     def num_descriptors(self) -> int:
@@ -69,16 +74,46 @@ def first_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[in
     return int(hits[0]) if hits.size else None
 
 
+def named_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[int, int]],
+                  named: np.ndarray) -> np.ndarray:
+    """Per descriptor: True where it is NOT whole inside the span ``named`` names (an index
+    out of range counts as outside). Gathers and compares, no search."""
+    if not spans:
+        return np.ones(addr.shape, dtype=bool)
+    starts = np.asarray([s for s, _ in spans], dtype=np.int64)
+    ends = starts + np.asarray([n for _, n in spans], dtype=np.int64)
+    idx = np.asarray(named, dtype=np.int64)
+    valid = (idx >= 0) & (idx < starts.size)
+    idx = np.where(valid, idx, 0)
+    a = addr.astype(np.int64)
+    return ~valid | (a < starts[idx]) | (a + length.astype(np.int64) > ends[idx])
+
+
+def _first_outside_hinted(addr: np.ndarray, length: np.ndarray,
+                          spans: Sequence[tuple[int, int]], named: np.ndarray | None
+                          ) -> int | None:
+    """``first_outside``, gathering by the plan's span hint and searching only for the
+    descriptors whose hint is wrong (a hint never lets a descriptor through)."""
+    if named is None or named.shape != addr.shape or not addr.size:
+        return first_outside(addr, length, spans)
+    missed = np.flatnonzero(named_outside(addr, length, spans, named))
+    if not missed.size:
+        return None
+    i = first_outside(addr[missed], length[missed], spans)
+    return None if i is None else int(missed[i])
+
+
 def check_within(plan: TransferPlan, src_spans: Sequence[tuple[int, int]],
                  dst_spans: Sequence[tuple[int, int]]) -> None:
     """PlanError unless every descriptor reads inside the sender's registered storages and
     writes inside the receiver's announced ones (``regions.unique_storages`` spans).
 
     Block ids are bounded when a plan is made; this is the last check before bytes move,
-    per descriptor, so no plan (or bug in one) can write memory nobody registered."""
-    for side, addr, spans in (("source", plan.src, src_spans),
-                              ("destination", plan.dst, dst_spans)):
-        i = first_outside(addr, plan.length, spans)
+    per descriptor, so no plan (or bug in one) can write memory nobody registered. A plan
+    whose table knew the spans names each descriptor's span: checked by gathers."""
+    for side, addr, spans, named in (("source", plan.src, src_spans, plan.src_span),
+                                     ("destination", plan.dst, dst_spans, plan.dst_span)):
+        i = _first_outside_hinted(addr, plan.length, spans, named)
         if i is not None:
             raise PlanError(f"descriptor {i}: {side} {int(addr[i]):#x} + {int(plan.length[i])} "
                             f"bytes is outside the registered memory")
@@ -193,8 +228,12 @@ def block_segments(sender: Region, receiver: Region, pair: RankPair
     return merged
 
 
-def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> TransferPlan:
-    """Merge descriptors that continue each other on both sides (order preserved)."""
+def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+             src_span: np.ndarray | None = None, dst_span: np.ndarray | None = None
+             ) -> TransferPlan:
+    """Merge descriptors that continue each other on both sides (order preserved). A merged
+    run keeps its first descriptor's span hints (contiguous bytes lie in one storage span:
+    ``unique_storages`` merges touching ranges)."""
     src, dst, length = (np.asarray(a).astype(np.int64, copy=False) for a in (src, dst, length))
     if src.size > 1:
         end = src[:-1] + length[:-1]
@@ -204,7 +243,9 @@ def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> TransferPl
         if follows.any():
             starts = np.flatnonzero(np.concatenate(([True], ~follows)))
             src, dst, length = src[starts], dst[starts], np.add.reduceat(length, starts)
-    return TransferPlan(src.view(_U64), dst.view(_U64), length.view(_U64))
+            src_span = src_span[starts] if src_span is not None else None
+            dst_span = dst_span[starts] if dst_span is not None else None
+    return TransferPlan(src.view(_U64), dst.view(_U64), length.view(_U64), src_span, dst_span)
 
 
 @dataclass(frozen=True)
@@ -233,6 +274,9 @@ class PlanTable:
     # kernel blocks of one logical block are one range and a kernel ratio scales stride and
     # length instead of multiplying the block ids.
     whole_blocks: tuple[bool, ...]
+    # (R,) the storage span of each row's sender / receiver region (None: spans not given)
+    row_src_span: np.ndarray | None = None
+    row_dst_span: np.ndarray | None = None
 
     def plan_kernel_ids(self, sender_ids: Sequence[np.ndarray],
                         receiver_ids: Sequence[np.ndarray],
@@ -267,7 +311,9 @@ class PlanTable:
             src_stride, dst_stride = src_stride * row_scale, dst_stride * row_scale
             length = length * row_scale
         return coalesce(self.src_base[row] + s_cat[pos] * src_stride[row],
-                        self.dst_base[row] + r_cat[pos] * dst_stride[row], length[row])
+                        self.dst_base[row] + r_cat[pos] * dst_stride[row], length[row],
+                        None if self.row_src_span is None else self.row_src_span[row],
+                        None if self.row_dst_span is None else self.row_dst_span[row])
 
     def plan(self, sender_block_ids: Sequence[Sequence[int]],
              receiver_block_ids: Sequence[Sequence[int]],
@@ -295,9 +341,21 @@ class PlanTable:
         return self.plan_kernel_ids(s_all, r_all, scales)
 
 
+def span_of(region: Region, spans: Sequence[tuple[int, int]]) -> int:
+    """The index of the storage span holding ``region`` whole (-1: none does)."""
+    for i, (start, size) in enumerate(spans):
+        if start <= region.base and region.end <= start + size:
+            return i
+    return -1
+
+
 def build_table(sender_regions: Sequence[Region], receiver_regions: Sequence[Region],
-                pair: RankPair, num_groups: int | None = None) -> PlanTable:
-    """Pair regions by name and lay their per-block segments out as rows."""
+                pair: RankPair, num_groups: int | None = None,
+                sender_spans: Sequence[tuple[int, int]] | None = None,
+                receiver_spans: Sequence[tuple[int, int]] | None = None) -> PlanTable:
+    """Pair regions by name and lay their per-block segments out as rows. With the two
+    sides' storage spans, each row also names the span its region lies in, so the plans
+    carry span hints (``TransferPlan.src_span`` / ``dst_span``)."""
     receivers = {r.name: r for r in receiver_regions}
     if len(receivers) != len(receiver_regions) or {r.name for r in sender_regions} != set(
             receivers):
@@ -316,6 +374,10 @@ def build_table(sender_regions: Sequence[Region], receiver_regions: Sequence[Reg
             members.append((sender, receiver, segs))
     rows = [(s.group, s.base + a, s.block_stride, r.base + b, r.block_stride, n)
             for s, r, segs in members for a, b, n in segs]
+    src_spans = (None if sender_spans is None else np.asarray(
+        [span_of(s, sender_spans) for s, _, segs in members for _ in segs], dtype=np.int64))
+    dst_spans = (None if receiver_spans is None else np.asarray(
+        [span_of(r, receiver_spans) for _, r, segs in members for _ in segs], dtype=np.int64))
     table = np.asarray(rows, dtype=np.int64).reshape(-1, 6)
     # A group with no rows for this pair moves nothing: any block id is fine there.
     unbounded = np.iinfo(np.int64).max
@@ -329,7 +391,7 @@ def build_table(sender_regions: Sequence[Region], receiver_regions: Sequence[Reg
     return PlanTable(pair, num_groups, table[:, 0].copy(), table[:, 1].copy(),
                      table[:, 2].copy(), table[:, 3].copy(), table[:, 4].copy(),
                      table[:, 5].copy(), np.asarray(s_blocks, dtype=np.int64),
-                     np.asarray(r_blocks, dtype=np.int64), whole)
+                     np.asarray(r_blocks, dtype=np.int64), whole, src_spans, dst_spans)
 
 
 def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[Region],

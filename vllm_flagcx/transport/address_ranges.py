@@ -21,6 +21,10 @@ _SPAN = 1 << 64
 # reductions) before a binary search per descriptor; below it, the search is cheaper than
 # a try that misses (2-core VM, 40 ranges: a miss cost 5 us at 750 descriptors).
 COMMON_FIRST_FROM = 2048
+# From this many descriptors on, a caller's hint (``hinted``: gathers, no search) is tried
+# before the search; below it the search is cheaper (B2c, 2-core VM, 40 ranges: hints cost
+# 1.07-1.13x the search at 140-750 descriptors, 0.65-0.70x at 20,910).
+HINTS_FROM = 2048
 
 
 def _cannot_wrap(start: np.ndarray, length: np.ndarray) -> bool:
@@ -52,6 +56,9 @@ class RangeTable:
         self._hi_pad = np.concatenate([np.zeros(1, np.uint64), self._hi])
         self._order_pad = np.concatenate([np.full(1, OUTSIDE, np.int64),
                                           self._order.astype(np.int64)])
+        # the ranges in the order given, for ``hinted`` (a gather per descriptor)
+        self._lo_given = np.array([lo for lo, _ in pairs], dtype=np.uint64)
+        self._hi_given = np.array([hi for _, hi in pairs], dtype=np.uint64)
 
     def __len__(self) -> int:
         return int(self._lo.size)
@@ -93,21 +100,45 @@ class RangeTable:
             out = np.where(held, self._order[k], out)
         return out
 
-    def locate(self, start: np.ndarray, length: np.ndarray) -> int | np.ndarray:
+    def hinted(self, start: np.ndarray, length: np.ndarray, hint: np.ndarray
+               ) -> np.ndarray | None:
+        """``hint`` (a guess, per descriptor, at the index of the range holding it, in the
+        order given) where every guess is right: two gathers and compares, no search; None
+        when any guess is wrong or the batch might wrap (the caller then searches)."""
+        hint = np.asarray(hint)
+        if (hint.shape != start.shape or not start.size or not len(self)
+                or not _cannot_wrap(start, length)):
+            return None
+        idx = hint.astype(np.int64, copy=False)
+        if int(idx.min()) < 0 or int(idx.max()) >= len(self):
+            return None
+        if not (np.all(start >= self._lo_given[idx])
+                and np.all(start + length <= self._hi_given[idx])):
+            return None
+        return idx
+
+    def locate(self, start: np.ndarray, length: np.ndarray,
+               hint: np.ndarray | None = None) -> int | np.ndarray:
         """Which range holds each descriptor: ``common``'s one range (an int) where the
         batch is worth asking about (one range, or ``COMMON_FIRST_FROM`` descriptors and
-        more) and one range holds it all; else ``index``'s answer per descriptor."""
+        more) and one range holds it all; else ``hint`` where it is right everywhere
+        (``hinted``); else ``index``'s answer per descriptor."""
         start = np.asarray(start, dtype=np.uint64)
         length = np.asarray(length, dtype=np.uint64)
         if len(self) == 1 or start.size >= COMMON_FIRST_FROM:
             k = self.common(start, length)
             if k is not None:
                 return k
+        if hint is not None and start.size >= HINTS_FROM:
+            named = self.hinted(start, length, hint)
+            if named is not None:
+                return named
         return self.index(start, length)
 
-    def holds(self, start: np.ndarray, length: np.ndarray) -> bool:
+    def holds(self, start: np.ndarray, length: np.ndarray,
+              hint: np.ndarray | None = None) -> bool:
         """Every descriptor lies whole inside one range."""
         if not np.size(start):
             return True
-        where = self.locate(start, length)
+        where = self.locate(start, length, hint)
         return isinstance(where, int) or bool(np.all(where != OUTSIDE))

@@ -50,9 +50,15 @@ class Transport(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
-              length: np.ndarray) -> WriteResult:
-        """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``."""
+    def write(self, handle: object, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+              src_hint: np.ndarray | None = None,
+              dst_hint: np.ndarray | None = None) -> WriteResult:
+        """Copy ``length[i]`` bytes from local ``src[i]`` to the peer's ``dst[i]``.
+
+        ``src_hint`` / ``dst_hint``: per descriptor, the index (in registration order) of
+        the range of this side / the peer that probably holds it (a plan names each
+        descriptor's storage span: ``layout.plans.TransferPlan``). A transport may use
+        them to skip its own search, and must still check every descriptor."""
 
     def disconnect(self, handle: object) -> None:
         """Forget a cached connection (after an error, or when a peer restarted)."""

@@ -241,8 +241,10 @@ class FlagCXTransport(Transport):
                                  "refused or unreachable; FLAGCX_DEBUG=INFO says why)")
         return _Conn(result[0], session)
 
-    def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
-              length: np.ndarray) -> WriteResult:
+    def write(self, handle: object, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+              src_hint: np.ndarray | None = None,
+              dst_hint: np.ndarray | None = None) -> WriteResult:
+        """FlagCX checks the remote side itself; the span hints are not used here."""
         conn: _Conn = handle  # type: ignore[assignment]
         src, dst, length = (np.ascontiguousarray(a) for a in split_large(src, dst, length))
         if src.size == 0:

@@ -140,17 +140,18 @@ class LocalTransport(Transport):
                 "prefill and decode on different machines")
         return _Peer(desc.pid, desc.ranges, desc.device_ranges)
 
-    def write(self, handle: object, src: np.ndarray, dst: np.ndarray,
-              length: np.ndarray) -> WriteResult:
+    def write(self, handle: object, src: np.ndarray, dst: np.ndarray, length: np.ndarray,
+              src_hint: np.ndarray | None = None,
+              dst_hint: np.ndarray | None = None) -> WriteResult:
         peer: _Peer = handle  # type: ignore[assignment]
         src, dst, length = (np.asarray(a, dtype=np.uint64) for a in (src, dst, length))
         if src.size == 0:
             return WriteResult(True)
         if peer.device_ranges and self.device_ranges:
-            return self._write_device(peer, src, dst, length)
-        if not self._table.holds(src, length):
+            return self._write_device(peer, src, dst, length, src_hint, dst_hint)
+        if not self._table.holds(src, length, src_hint):
             return WriteResult(False, "source outside this process's registered memory")
-        if not peer.table.holds(dst, length):
+        if not peer.table.holds(dst, length, dst_hint):
             return WriteResult(False, f"destination outside the memory pid {peer.pid} "
                                       "registered")
         total = 0
@@ -164,7 +165,8 @@ class LocalTransport(Transport):
         return WriteResult(True, "", total)
 
     def _write_device(self, peer: _Peer, src: np.ndarray, dst: np.ndarray,
-                      length: np.ndarray) -> WriteResult:
+                      length: np.ndarray, src_hint: np.ndarray | None = None,
+                      dst_hint: np.ndarray | None = None) -> WriteResult:
         """Device-to-device copies into the peer's IPC-mapped memory."""
         from vllm_flagcx.transport import cuda_ipc
 
@@ -172,9 +174,10 @@ class LocalTransport(Transport):
         if cuda is None:
             return WriteResult(False, "device memory registered, but no CUDA driver loads "
                                       "in this process")
-        if not self._device_table.holds(src, length):
+        if not self._device_table.holds(src, length, src_hint):
             return WriteResult(False, "source outside this process's registered GPU memory")
-        where = peer.device_table.locate(dst, length)  # an int: one allocation holds all
+        # an int: one allocation holds all; else the plan's span hints where right
+        where = peer.device_table.locate(dst, length, dst_hint)
         if not isinstance(where, int) and np.any(where == OUTSIDE):
             return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
                                       "registered")
