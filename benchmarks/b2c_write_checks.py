@@ -96,7 +96,7 @@ def run(quick: bool) -> dict[str, Any]:
          "hinted / searched", "bare dst+delta us", "ratio", "ns/desc"), rows)
     checks, check_rows = _plan_checks(reps)
     text += "\n\n" + report.table(
-        f"B2c' prefill's bounds check of a plan (plans.check_within, both sides, "
+        f"B2c' prefill's bounds check of a plan (bounds.check_within, both sides, "
         f"{STORAGES} storages each), {reps} reps",
         ("descriptors", "searched us p50", "with span hints us p50", "hinted / searched"),
         check_rows)
@@ -108,7 +108,7 @@ STORAGES = 40  # a real engine's per-layer KV tensors
 
 def _plan_checks(reps: int) -> tuple[list[dict[str, Any]], list[tuple[Any, ...]]]:
     """``check_within`` on plans without and with span hints (same descriptors)."""
-    from vllm_flagcx.layout import plans
+    from vllm_flagcx.layout import bounds, plans
 
     spans = [(k * 10_000_000, 5_000_000) for k in range(STORAGES)]
     rng = np.random.default_rng(0)
@@ -120,9 +120,9 @@ def _plan_checks(reps: int) -> tuple[list[dict[str, Any]], list[tuple[Any, ...]]
         bare = plans.TransferPlan(addr, addr.copy(), length)
         named = plans.TransferPlan(addr, addr.copy(), length, k, k.copy())
         searched = report.summary(report.time_us(
-            lambda p=bare: plans.check_within(p, spans, spans), reps))
+            lambda p=bare: bounds.check_within(p, spans, spans), reps))
         hinted = report.summary(report.time_us(
-            lambda p=named: plans.check_within(p, spans, spans), reps))
+            lambda p=named: bounds.check_within(p, spans, spans), reps))
         ratio = hinted["median"] / searched["median"]
         out.append({"descriptors": n, "searched_us": searched, "hinted_us": hinted,
                     "hinted_over_searched": ratio})

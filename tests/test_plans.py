@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from vllm_flagcx.layout import plans, regions
+from vllm_flagcx.layout import bounds, plans, regions
 from vllm_flagcx.layout.plans import PlanError, RankPair
 from vllm_flagcx.layout.topology import head_range
 
@@ -316,18 +316,18 @@ def test_a_table_given_the_spans_names_each_descriptors_span_and_the_check_gathe
         truth = [next(i for i, (s, n) in enumerate(spans) if s <= a < s + n)
                  for a in addr.tolist()]
         assert named.tolist() == truth
-    plans.check_within(plan, p_spans, d_spans)
+    bounds.check_within(plan, p_spans, d_spans)
     # the same plan with its hints swapped is still accepted (hints are only guesses) ...
     swapped = plans.TransferPlan(plan.src, plan.dst, plan.length, 1 - plan.src_span,
                                  1 - plan.dst_span)
-    plans.check_within(swapped, p_spans, d_spans)
+    bounds.check_within(swapped, p_spans, d_spans)
     # ... and a descriptor outside every span is refused whatever its hint names
     bad_dst = plan.dst.copy()
     bad_dst[-1] = np.uint64((1 << 34) + (1 << 26))
     for hint in (plan.dst_span, 1 - plan.dst_span, None):
         with pytest.raises(PlanError, match=f"descriptor {plan.num_descriptors - 1}: "
                                             "destination"):
-            plans.check_within(plans.TransferPlan(plan.src, bad_dst, plan.length,
+            bounds.check_within(plans.TransferPlan(plan.src, bad_dst, plan.length,
                                                   plan.src_span, hint), p_spans, d_spans)
     # without the spans the table names nothing, as before
     assert plans.build_table(p_side, d_side, RankPair(0, 1, 0, 1)).plan(

@@ -19,7 +19,7 @@ from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector import integrity
-from vllm_flagcx.layout import plans
+from vllm_flagcx.layout import bounds, plans
 from vllm_flagcx.wire import auth, client
 from vllm_flagcx.wire import handshake as hs
 
@@ -91,11 +91,11 @@ def test_check_within_refuses_a_descriptor_outside_registered_memory():
     plan = plans.TransferPlan(np.array([100, 300], dtype=np.uint64),
                               np.array([1000, 1100], dtype=np.uint64),
                               np.array([50, 50], dtype=np.uint64))
-    plans.check_within(plan, [(100, 50), (300, 100)], [(1000, 200)])
+    bounds.check_within(plan, [(100, 50), (300, 100)], [(1000, 200)])
     with pytest.raises(plans.PlanError, match="descriptor 1: destination"):
-        plans.check_within(plan, [(100, 50), (300, 100)], [(1000, 120)])
+        bounds.check_within(plan, [(100, 50), (300, 100)], [(1000, 120)])
     with pytest.raises(plans.PlanError, match="descriptor 0: source"):
-        plans.check_within(plan, [(120, 400)], [(1000, 200)])
+        bounds.check_within(plan, [(120, 400)], [(1000, 200)])
     assert integrity.outside([(1000, 64)], [(1000, 200)]) is None
     assert integrity.outside([(1000, 64), (5, 8)], [(1000, 200)]) == (5, 8)
     assert integrity.outside([(1000, 1 << 20)], [(0, 1 << 40)]) == (1000, 1 << 20)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_flagcx.layout import logical, plans
+from vllm_flagcx.layout import bounds, logical, plans
 from vllm_flagcx.layout.logical import LogicalKey
 from vllm_flagcx.layout.topology import head_range
 
@@ -67,7 +67,7 @@ def outside(ranges: list[tuple[int, int]], spans: list[tuple[int, int]],
             return address, size
     addresses = np.asarray([a for a, _ in ranges], dtype=np.int64)
     sizes = np.asarray([n for _, n in ranges], dtype=np.int64)
-    i = plans.first_outside(addresses, sizes, spans)
+    i = bounds.first_outside(addresses, sizes, spans)
     return None if i is None else ranges[i]
 
 

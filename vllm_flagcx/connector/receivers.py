@@ -5,7 +5,7 @@ inside (``ReceiverCache``).
 
 Pinning is the defence against a pull that names memory of another process: a later pull
 of the same incarnation and rank that names other regions, or another transport, is
-refused, and ``plans.check_within`` holds each descriptor to the pinned storages.
+refused, and ``bounds.check_within`` holds each descriptor to the pinned storages.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ invariant (a Release is acknowledged only once no write into its blocks is in fl
 after (``_write_job``), and posts the Releases that waited only then. Every pull is checked
 before bytes move: its fields (``pull_problem``), the receiver's regions pinned per
 incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
-(``plans.check_within``), and the transfer's first puller (``Sends.claim``).
+(``bounds.check_within``), and the transfer's first puller (``Sends.claim``).
 
 It owns its socket, thread, wake pipe, outbox, parked pulls and writer pool; the
 transfers (``Sends``) and the counters are shared with the worker that built it, and what

@@ -20,7 +20,7 @@ from vllm_flagcx.connector.receivers import ReceiverCache
 from vllm_flagcx.connector.registration import Registration
 from vllm_flagcx.connector.sends import Send, Sends
 from vllm_flagcx.connector.worker_settings import WorkerSettings
-from vllm_flagcx.layout import plans
+from vllm_flagcx.layout import bounds, plans
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import handshake as hs
 
@@ -92,7 +92,7 @@ class SideChannelWrites:
             plan = receiver.table.plan(
                 send.task.block_ids, pull.block_ids, reg.kernel_ratios or None,
                 list(pull.offsets) or None)
-            plans.check_within(plan, reg.storages, receiver.spans)
+            bounds.check_within(plan, reg.storages, receiver.spans)
             if plan.num_descriptors == 0:  # this rank holds none of the receiver's bytes
                 return hs.PullReply(pull.transfer_id, True)
             handle = self._connection(receiver.sheet)

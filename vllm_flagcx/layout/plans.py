@@ -57,68 +57,6 @@ class TransferPlan:
         return TransferPlan(z, z.copy(), z.copy())
 
 
-def first_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[int, int]]
-                  ) -> int | None:
-    """Index of the first (address, length) not inside one span, else None. ``spans``
-    disjoint and sorted, as ``regions.unique_storages`` returns them."""
-    if addr.size == 0:
-        return None
-    if not spans:
-        return 0
-    starts = np.asarray([s for s, _ in spans], dtype=np.int64)
-    ends = starts + np.asarray([n for _, n in spans], dtype=np.int64)
-    a = addr.astype(np.int64)
-    idx = np.searchsorted(starts, a, side="right") - 1
-    bad = (idx < 0) | (a + length.astype(np.int64) > ends[np.maximum(idx, 0)])
-    hits = np.flatnonzero(bad)
-    return int(hits[0]) if hits.size else None
-
-
-def named_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[int, int]],
-                  named: np.ndarray) -> np.ndarray:
-    """Per descriptor: True where it is NOT whole inside the span ``named`` names (an index
-    out of range counts as outside). Gathers and compares, no search."""
-    if not spans:
-        return np.ones(addr.shape, dtype=bool)
-    starts = np.asarray([s for s, _ in spans], dtype=np.int64)
-    ends = starts + np.asarray([n for _, n in spans], dtype=np.int64)
-    idx = np.asarray(named, dtype=np.int64)
-    valid = (idx >= 0) & (idx < starts.size)
-    idx = np.where(valid, idx, 0)
-    a = addr.astype(np.int64)
-    return ~valid | (a < starts[idx]) | (a + length.astype(np.int64) > ends[idx])
-
-
-def _first_outside_hinted(addr: np.ndarray, length: np.ndarray,
-                          spans: Sequence[tuple[int, int]], named: np.ndarray | None
-                          ) -> int | None:
-    """``first_outside``, gathering by the plan's span hint and searching only for the
-    descriptors whose hint is wrong (a hint never lets a descriptor through)."""
-    if named is None or named.shape != addr.shape or not addr.size:
-        return first_outside(addr, length, spans)
-    missed = np.flatnonzero(named_outside(addr, length, spans, named))
-    if not missed.size:
-        return None
-    i = first_outside(addr[missed], length[missed], spans)
-    return None if i is None else int(missed[i])
-
-
-def check_within(plan: TransferPlan, src_spans: Sequence[tuple[int, int]],
-                 dst_spans: Sequence[tuple[int, int]]) -> None:
-    """PlanError unless every descriptor reads inside the sender's registered storages and
-    writes inside the receiver's announced ones (``regions.unique_storages`` spans).
-
-    Block ids are bounded when a plan is made; this is the last check before bytes move,
-    per descriptor, so no plan (or bug in one) can write memory nobody registered. A plan
-    whose table knew the spans names each descriptor's span: checked by gathers."""
-    for side, addr, spans, named in (("source", plan.src, src_spans, plan.src_span),
-                                     ("destination", plan.dst, dst_spans, plan.dst_span)):
-        i = _first_outside_hinted(addr, plan.length, spans, named)
-        if i is not None:
-            raise PlanError(f"descriptor {i}: {side} {int(addr[i]):#x} + {int(plan.length[i])} "
-                            f"bytes is outside the registered memory")
-
-
 @dataclass(frozen=True)
 class RankPair:
     sender_rank: int
@@ -349,6 +287,34 @@ def span_of(region: Region, spans: Sequence[tuple[int, int]]) -> int:
     return -1
 
 
+def _row_spans(row_regions: list[Region], spans: Sequence[tuple[int, int]] | None
+               ) -> np.ndarray | None:
+    """Per row, the storage span of its region (None without spans)."""
+    if spans is None:
+        return None
+    return np.asarray([span_of(r, spans) for r in row_regions], dtype=np.int64)
+
+
+Member = tuple[Region, Region, list[tuple[int, int, int]]]  # sender, receiver, segments
+
+
+def _group_facts(members: list[Member], num_groups: int
+                 ) -> tuple[np.ndarray, np.ndarray, tuple[bool, ...]]:
+    """Per group: the fewest blocks of the sender's and the receiver's regions (a group
+    with no rows for this pair moves nothing: any block id is fine there), and whether
+    every row moves whole blocks."""
+    unbounded = np.iinfo(np.int64).max
+    s_blocks = [min((s.num_blocks for s, _, _ in members if s.group == g), default=unbounded)
+                for g in range(num_groups)]
+    r_blocks = [min((r.num_blocks for _, r, _ in members if r.group == g), default=unbounded)
+                for g in range(num_groups)]
+    whole = tuple(all(len(segs) == 1 and segs[0][:2] == (0, 0)
+                      and s.block_stride == r.block_stride == segs[0][2]
+                      for s, r, segs in members if s.group == g) for g in range(num_groups))
+    return (np.asarray(s_blocks, dtype=np.int64), np.asarray(r_blocks, dtype=np.int64),
+            whole)
+
+
 def build_table(sender_regions: Sequence[Region], receiver_regions: Sequence[Region],
                 pair: RankPair, num_groups: int | None = None,
                 sender_spans: Sequence[tuple[int, int]] | None = None,
@@ -363,7 +329,7 @@ def build_table(sender_regions: Sequence[Region], receiver_regions: Sequence[Reg
         raise PlanError(f"sender and receiver regions differ: {missing[:6]}")
     if num_groups is None:
         num_groups = 1 + max((r.group for r in sender_regions), default=-1)
-    members: list[tuple[Region, Region, list[tuple[int, int, int]]]] = []
+    members: list[Member] = []
     for sender in sender_regions:
         if sender.group >= num_groups:
             raise PlanError(f"region {sender.name!r} is in KV cache group {sender.group}, "
@@ -374,24 +340,13 @@ def build_table(sender_regions: Sequence[Region], receiver_regions: Sequence[Reg
             members.append((sender, receiver, segs))
     rows = [(s.group, s.base + a, s.block_stride, r.base + b, r.block_stride, n)
             for s, r, segs in members for a, b, n in segs]
-    src_spans = (None if sender_spans is None else np.asarray(
-        [span_of(s, sender_spans) for s, _, segs in members for _ in segs], dtype=np.int64))
-    dst_spans = (None if receiver_spans is None else np.asarray(
-        [span_of(r, receiver_spans) for _, r, segs in members for _ in segs], dtype=np.int64))
+    src_spans = _row_spans([s for s, _, segs in members for _ in segs], sender_spans)
+    dst_spans = _row_spans([r for _, r, segs in members for _ in segs], receiver_spans)
     table = np.asarray(rows, dtype=np.int64).reshape(-1, 6)
-    # A group with no rows for this pair moves nothing: any block id is fine there.
-    unbounded = np.iinfo(np.int64).max
-    s_blocks = [min((s.num_blocks for s, _, _ in members if s.group == g), default=unbounded)
-                for g in range(num_groups)]
-    r_blocks = [min((r.num_blocks for _, r, _ in members if r.group == g), default=unbounded)
-                for g in range(num_groups)]
-    whole = tuple(all(len(segs) == 1 and segs[0][:2] == (0, 0)
-                      and s.block_stride == r.block_stride == segs[0][2]
-                      for s, r, segs in members if s.group == g) for g in range(num_groups))
+    s_blocks, r_blocks, whole = _group_facts(members, num_groups)
     return PlanTable(pair, num_groups, table[:, 0].copy(), table[:, 1].copy(),
                      table[:, 2].copy(), table[:, 3].copy(), table[:, 4].copy(),
-                     table[:, 5].copy(), np.asarray(s_blocks, dtype=np.int64),
-                     np.asarray(r_blocks, dtype=np.int64), whole, src_spans, dst_spans)
+                     table[:, 5].copy(), s_blocks, r_blocks, whole, src_spans, dst_spans)
 
 
 def plan_transfer(sender_regions: Sequence[Region], receiver_regions: Sequence[Region],
