@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,8 @@ from vllm_flagcx.layout import bounds, logical, plans
 from vllm_flagcx.layout.logical import LogicalKey
 from vllm_flagcx.layout.topology import head_range
 
-Reader = Callable[[int, int], bytes]
+# reads (address, size) ranges, all at once: one synchronisation for a whole sample on a GPU
+Reader = Callable[[Sequence[tuple[int, int]]], list[bytes]]
 
 SAMPLE_BYTES = 64
 MAX_SAMPLES = 16
@@ -71,8 +72,8 @@ def outside(ranges: list[tuple[int, int]], spans: list[tuple[int, int]],
     return None if i is None else ranges[i]
 
 
-def read_host(address: int, size: int) -> bytes:
-    return ctypes.string_at(address, size)
+def read_host(ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    return [ctypes.string_at(address, size) for address, size in ranges]
 
 
 def reader(host_memory: bool) -> Reader | None:
@@ -83,14 +84,14 @@ def reader(host_memory: bool) -> Reader | None:
     from vllm_flagcx.transport import cuda_ipc
 
     cuda = cuda_ipc.driver()
-    return cuda.read if cuda is not None else None
+    return cuda.read_many if cuda is not None else None
 
 
 def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
     """crc32 over memory ranges, in order."""
     crc = 0
-    for address, size in ranges:
-        crc = zlib.crc32(read(address, size), crc)
+    for piece in read(ranges):
+        crc = zlib.crc32(piece, crc)
     return crc
 
 

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -151,6 +152,29 @@ class CudaDriver:
         self.use_device(self.device_of(address))
         self._check(self.lib.cuMemsetD8_v2(ctypes.c_uint64(address), ctypes.c_ubyte(byte),
                                            ctypes.c_size_t(size)), "cuMemsetD8")
+
+    def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of several small device ranges: every copy queued on this thread's
+        own non-blocking stream, one synchronisation for all. One synchronous copy per
+        range waited on the legacy default stream each time (and on whatever the engine had
+        queued there): B5 on an H200 measured ~2 ms for a 16-range sample on each side."""
+        if not ranges:
+            return []
+        self.use_device(self.device_of(ranges[0][0]))
+        stream = self._local.stream
+        out = ctypes.create_string_buffer(sum(size for _, size in ranges))
+        base, offset = ctypes.addressof(out), 0
+        for address, size in ranges:
+            self._check(self.lib.cuMemcpyDtoHAsync_v2(
+                ctypes.c_void_p(base + offset), ctypes.c_uint64(address),
+                ctypes.c_size_t(size), stream), "cuMemcpyDtoHAsync (integrity sample)")
+            offset += size
+        self._check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        raw, pieces, offset = out.raw, [], 0
+        for _, size in ranges:
+            pieces.append(raw[offset:offset + size])
+            offset += size
+        return pieces
 
     def read(self, address: int, size: int) -> bytes:
         """``size`` bytes of device memory at ``address`` (a small synchronous copy)."""
