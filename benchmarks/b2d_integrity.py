@@ -89,13 +89,17 @@ def _measure(tokens: int, reps: int, device: str = "cpu", busy: bool = False
     entries = list(prefill())
     assert integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1) is None
     tails = [(t.data_ptr() + k * 4096 + 4032, 64) for t in p.values() for k in range(2)][:16]
+    read = integrity.reader(host_memory=device == "cpu")
+    assert read is not None
+    per_range = _per_range_reader(device)
     if device != "cpu":
         torch.cuda.synchronize()
     timings = {
         "copy": report.summary(report.time_us(lambda: (copy(), _sync(device)),
                                               max(5, reps // 10))),
-        "byte": report.summary(report.time_us(lambda: integrity.checksum(tails), reps))
-        if device == "cpu" else {"median": float("nan"), "p99": float("nan")},
+        "byte": timed(lambda: integrity.checksum(tails, read), reps),
+        # before 9c7cc1b: one synchronous copy per range (the legacy default stream)
+        "byte_per_range": timed(lambda: integrity.checksum(tails, per_range), reps),
         "prefill": timed(prefill, reps),
         "decode": timed(lambda: integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1),
                         reps),
@@ -107,6 +111,17 @@ def _measure(tokens: int, reps: int, device: str = "cpu", busy: bool = False
             "kv_bytes": kv_bytes, "keys": len(entries),
             **{f"{k}_us": v for k, v in timings.items()},
             "decode_vs_copy": timings["decode"]["median"] / timings["copy"]["median"]}
+
+
+def _per_range_reader(device: str) -> integrity.Reader:
+    """The byte sample's reader as it was: one synchronous read per range."""
+    if device == "cpu":
+        return integrity.read_host
+    from vllm_flagcx.transport import cuda_ipc
+
+    cuda = cuda_ipc.driver()
+    assert cuda is not None
+    return lambda ranges: [cuda.read(a, n) for a, n in ranges]
 
 
 def _sync(device: str) -> None:
@@ -121,12 +136,14 @@ def run(quick: bool) -> dict[str, Any]:
         out += [_measure(tokens, reps, "cuda") for tokens in TOKENS]
         out += [_measure(TOKENS[-1], max(10, reps // 10), "cuda", busy=True)]
     rows = [(r["device"], r["tokens"], f"{r['kv_bytes'] / 1e6:.1f}", r["keys"],
-             r["copy_us"]["median"], r["byte_us"]["median"], r["prefill_us"]["median"],
+             r["copy_us"]["median"], r["byte_us"]["median"], r["byte_per_range_us"]["median"],
+             r["prefill_us"]["median"],
              r["decode_us"]["median"], r["decode_vs_copy"]) for r in out]
     text = report.table(
         f"B2d integrity checks of one pull vs copying its KV once (host memory, Qwen3.6 "
         f"attention at TP 1), {reps} reps, medians in us",
-        ("device", "tokens", "KV MB", "logical keys", "copy", "byte sample", "logical prefill",
+        ("device", "tokens", "KV MB", "logical keys", "copy", "byte sample",
+         "byte, 1 read/range", "logical prefill",
          "logical decode", "decode / copy"), rows)
     return {"name": "b2d_integrity", "text": text, "rows": out}
 
