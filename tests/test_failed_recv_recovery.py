@@ -48,9 +48,7 @@ def _run_twice(model, prefix_caching, p_faults=None, d_port_shift=0, lease=30.0,
         for _ in range(2):
             records = pd.run_prefill(p, PROMPTS)
             if d_delay:
-                import time
-
-                time.sleep(d_delay)
+                _wait_for_expiry(p, len(records), d_delay)
             pd.run_decode(p, d, records, remote_port_shift=d_port_shift,
                           hasher=harness.block_hasher(pd.BLOCK) if prefix_caching else None)
             passes.append(records)
@@ -59,6 +57,23 @@ def _run_twice(model, prefix_caching, p_faults=None, d_port_shift=0, lease=30.0,
         p.shutdown()
         d.shutdown()
         raise
+
+
+def _wait_for_expiry(p, count: int, delay: float) -> None:
+    """Let prefill's leases run out and prefill expire them before decode sees the requests.
+
+    Sleeping alone raced: prefill expires leases in its own steps, and decode's arrival
+    heartbeat renews any lease not yet expired, so under CPU load a request sometimes
+    loaded after all."""
+    import time
+
+    before = sum(w.stats["expired_leases"] for w in p.workers)
+    time.sleep(delay)
+    deadline = time.monotonic() + 10
+    while sum(w.stats["expired_leases"] for w in p.workers) < before + count:
+        assert time.monotonic() < deadline, "prefill never expired the leases"
+        p.step()
+        time.sleep(0.02)
 
 
 def _first_needed_block(facts, computed: int) -> int:
