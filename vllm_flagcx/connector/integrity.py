@@ -55,7 +55,7 @@ def sample_ranges(src: np.ndarray, dst: np.ndarray, length: np.ndarray,
             [(int(e - k), int(k)) for e, k in zip(end_dst, n, strict=True)])
 
 
-def outside(ranges: list[tuple[int, int]], spans: list[tuple[int, int]],
+def outside(ranges: list[tuple[int, int]], spans: Sequence[tuple[int, int]],
             max_sample_bytes: int = SAMPLE_BYTES) -> tuple[int, int] | None:
     """The first (address, size) of ``ranges`` not inside one of ``spans`` (this side's
     registered storages, ``regions.unique_storages``), or of a size the sample never

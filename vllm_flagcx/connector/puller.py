@@ -242,7 +242,7 @@ class Puller:
         read_kv = self._registration.read_kv
         if not (reply.sample and checked and read_kv is not None):
             return None
-        stray = integrity.outside(list(reply.sample), list(self._registration.storages))
+        stray = integrity.outside(list(reply.sample), self._registration.storages)
         if stray is not None:
             return (f"P rank {p_rank}: the reply's integrity sample names {stray[1]} bytes at "
                     f"{stray[0]:#x}, outside this worker's KV caches")

@@ -11,6 +11,7 @@ refused, and ``bounds.check_within`` holds each descriptor to the pinned storage
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_flagcx.layout import plans
@@ -62,7 +63,7 @@ class ReceiverCache:
     def __len__(self) -> int:
         return len(self._known)
 
-    def get(self, sheet: hs.FactSheet, local_regions: list[Region]) -> Receiver:
+    def get(self, sheet: hs.FactSheet, local_regions: Sequence[Region]) -> Receiver:
         """The receiver ``sheet`` names, pinned at its first pull; HandshakeError when a
         later pull of the same incarnation and rank names other regions or transport. A
         sheet whose plan table cannot be built raises and is not pinned."""

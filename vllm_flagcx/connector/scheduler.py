@@ -38,7 +38,7 @@ from vllm_flagcx.connector.metadata import (
     SendTask,
     TransferId,
 )
-from vllm_flagcx.connector.settings import ConnectorSettings
+from vllm_flagcx.connector.settings import DEFAULTS
 from vllm_flagcx.wire import params as wire_params
 from vllm_flagcx.wire.heartbeat import HeartbeatSender
 from vllm_flagcx.wire.params import (
@@ -51,18 +51,14 @@ from vllm_flagcx.wire.params import (
 logger = logging.getLogger("vllm_flagcx")
 
 
-# the user-settable defaults are ConnectorSettings' (stated once there)
-_USER = ConnectorSettings()
-
-
 @dataclass(frozen=True)
 class SchedulerSettings:
     engine_id: str
     side_channel_host: str
     side_channel_port: int
     tp_size: int
-    lease_seconds: float = _USER.lease_seconds
-    first_lease_seconds: float = _USER.initial_lease  # until decode's first word
+    lease_seconds: float = DEFAULTS.lease_seconds
+    first_lease_seconds: float = DEFAULTS.initial_lease  # until decode's first word
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
 

@@ -178,3 +178,8 @@ class ConnectorSettings:
     def pull_timeout(self) -> float:
         """Longer than the prefill lease, so a lease ends before decode gives up."""
         return self.recv_timeout if self.recv_timeout is not None else self.lease_seconds + 10
+
+
+# Every user default in one instance: the worker's and the scheduler's settings take
+# theirs from it, so each default is stated once (in the class above).
+DEFAULTS = ConnectorSettings()

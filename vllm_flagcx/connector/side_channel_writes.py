@@ -88,7 +88,7 @@ class SideChannelWrites:
         try:
             hs.check_compatible(reg.sheet, pull.sheet,
                                 skip_hash=self._settings.skip_compat_hash)
-            receiver = self._receivers.get(pull.sheet, list(reg.regions))
+            receiver = self._receivers.get(pull.sheet, reg.regions)
             plan = receiver.table.plan(
                 send.task.block_ids, pull.block_ids, reg.kernel_ratios or None,
                 list(pull.offsets) or None)

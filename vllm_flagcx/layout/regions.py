@@ -25,6 +25,7 @@ Per layer kind (the seed design note's table):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -187,7 +188,7 @@ def mamba(*, layer: str, group: int, base: int, block_stride: int, num_blocks: i
                    page_bytes, tuple(sections))]
 
 
-def storage_spans(regions: list[Region]) -> list[tuple[int, int]]:
+def storage_spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
     """The disjoint, sorted (address, size) storages that ``regions`` lie in."""
     return unique_storages([(r.base, r.end - r.base) for r in regions])
 
