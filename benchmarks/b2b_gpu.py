@@ -26,7 +26,9 @@ def run(quick: bool) -> dict[str, Any]:
 
     result = gpu_ipc.measure(repeats=5 if quick else gpu_ipc.REPEATS)
     text = (f"B2b GPU data path on {result['machine']['gpu']} (CUDA IPC vs device-to-device "
-            f"copy in the same run)\n" + gpu_ipc.table(result["rows"]))
+            f"copy in the same run)\n" + gpu_ipc.table(result["rows"])
+            + "\nthe kernel's launch shape at the largest set (device time of one "
+              "launch)\n" + gpu_ipc.tuning_table(result["tuning"]))
     return {"name": "b2b_gpu", "text": text, **result}
 
 

@@ -74,6 +74,25 @@ def _timed(p, handle, s_addr, d_addr, length, kernel: bool, repeats: int) -> lis
     return out
 
 
+def _mapped(p, handle, s_addr, d_addr, length) -> tuple:
+    """The write up to the driver (checks, IPC mapping; nothing copied): (device ordinal,
+    mapped destinations, sources, lengths) as the driver would get them."""
+    from vllm_flagcx.transport import cuda_ipc
+
+    real = cuda_ipc.CudaDriver.copy_batch
+    captured: dict = {}
+
+    def no_copy(self, ordinal, dst, src, n):
+        captured.update(ordinal=ordinal, parts=(dst.copy(), src.copy(), n.copy()))
+
+    cuda_ipc.CudaDriver.copy_batch = no_copy
+    try:
+        assert p.write(handle, s_addr, d_addr, length).ok
+    finally:
+        cuda_ipc.CudaDriver.copy_batch = real
+    return (captured["ordinal"], *captured["parts"])
+
+
 def _phases(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
     """Where one write's time goes (medians, us): the host's checks and IPC mapping (the
     write with the copy switched off), the driver call (descriptor upload + kernel +
@@ -83,18 +102,11 @@ def _phases(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
     from vllm_flagcx.transport import cuda_ipc
 
     cuda = cuda_ipc.driver()
-    real = cuda_ipc.CudaDriver.copy_batch
-    captured = {}
-
-    def no_copy(self, ordinal, dst, src, n):
-        captured.update(ordinal=ordinal, dst=dst.copy(), src=src.copy(), length=n.copy())
-
-    cuda_ipc.CudaDriver.copy_batch = no_copy
-    try:
-        checks = _timed(p, handle, s_addr, d_addr, length, True, repeats)
-    finally:
-        cuda_ipc.CudaDriver.copy_batch = real
-    args = (captured["ordinal"], captured["dst"], captured["src"], captured["length"])
+    checks = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        args = _mapped(p, handle, s_addr, d_addr, length)
+        checks.append(time.perf_counter() - start)
     call = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -129,7 +141,7 @@ def _run(conn, desc, d_base, pool, repeats: int) -> dict:
     p.register(src.data_ptr(), pool)
     t0 = time.perf_counter()
     handle = p.connect(desc)
-    rows = []
+    rows, tuning = [], {}
     rng = np.random.default_rng(0)
     for n in SETS:
         size = TOTAL // n // 256 * 256
@@ -161,6 +173,8 @@ def _run(conn, desc, d_base, pool, repeats: int) -> dict:
         moved = n * size
         med, base = statistics.median(times), statistics.median(base_times)
         phases = _phases(p, handle, s_addr, d_addr, length, repeats)
+        if n == SETS[-1]:
+            tuning = _tuning(p, handle, s_addr, d_addr, length, repeats)
         rows.append({**phases, "descriptors": n, "bytes": moved, "ipc_ms": med * 1e3,
                      "memcpy_each_GBps": moved / statistics.median(per_desc) / 1e9,
                      "ipc_GBps": moved / med / 1e9, "us_per_descriptor": med / n * 1e6,
@@ -170,7 +184,53 @@ def _run(conn, desc, d_base, pool, repeats: int) -> dict:
                    "python": platform.python_version(), "host": platform.node(),
                    "date": time.strftime("%Y-%m-%d")}
     fingerprint["first_connect_s"] = round(time.perf_counter() - t0, 3)
-    return {"machine": fingerprint, "rows": rows}
+    return {"machine": fingerprint, "rows": rows, "tuning": tuning}
+
+
+SHAPES = ((256, 8192), (256, 4096), (256, 2048), (512, 4096), (128, 4096), (128, 2048))
+
+
+def _tuning(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
+    """The batched kernel's launch shape on the largest set (threads per block, bytes per
+    warp before a descriptor is split over more warps): device time of upload + kernel."""
+    import ctypes
+
+    from vllm_flagcx.transport import cuda_ipc, cuda_kernel
+
+    ordinal, mapped, src, n = _mapped(p, handle, s_addr, d_addr, length)
+    cuda = cuda_ipc.driver()
+    lib, stream = cuda.lib, cuda._local.stream
+    kernel = cuda._kernel(ordinal)
+    saved = cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT
+    begin, end = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.cuEventCreate(ctypes.byref(begin), 0)
+    lib.cuEventCreate(ctypes.byref(end), 0)
+    shapes = []
+    try:
+        for threads, split_bytes in SHAPES:
+            cuda_kernel.THREADS, cuda_kernel.WARPS = threads, threads // 32
+            cuda_kernel.BYTES_PER_SPLIT = split_bytes
+            device = []
+            for _ in range(repeats):
+                lib.cuEventRecord(begin, stream)
+                kernel.run(stream, mapped, src, n)
+                lib.cuEventRecord(end, stream)
+                lib.cuStreamSynchronize(stream)
+                ms = ctypes.c_float(0)
+                lib.cuEventElapsedTime(ctypes.byref(ms), begin, end)
+                device.append(ms.value / 1e3)
+            shapes.append({"threads": threads, "bytes_per_split": split_bytes,
+                           "device_us": statistics.median(device) * 1e6})
+    finally:
+        cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT = saved
+    return {"shapes": shapes}
+
+
+def tuning_table(tuning: dict) -> str:
+    lines = [f"{'threads':>8} {'split B':>8} {'device us':>10}"]
+    lines += [f"{r['threads']:>8} {r['bytes_per_split']:>8} {r['device_us']:>10.1f}"
+              for r in tuning.get("shapes", [])]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

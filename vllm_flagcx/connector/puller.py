@@ -166,7 +166,9 @@ class Puller:
             except (TimeoutError, OSError, hs.HandshakeError) as exc:
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {exc}")
                 return
+            checking = time.monotonic()
             problem = self._reply_problem(p_rank, reply, remote.transfer_id)
+            clock.bytes_check += time.monotonic() - checking
             if problem is not None or not isinstance(reply, hs.PullReply):
                 self._fail_after_release(task, flat, problem or "not a pull reply")
                 return

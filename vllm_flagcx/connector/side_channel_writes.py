@@ -81,8 +81,8 @@ class SideChannelWrites:
             self._post(waiter, hs.Ack(pull.transfer_id))
 
     def write(self, send: Send, pull: hs.PullRequest, waited: float = 0.0) -> hs.PullReply:
-        """Plan, check and write one pull; its reply (``timings``: queued, write and sample
-        seconds on this side)."""
+        """Plan, check and write one pull; its reply (``timings``: queued, write, sample and
+        the sample's logical part, seconds on this side)."""
         reg = self._registration
         started = time.monotonic()
         try:
@@ -109,10 +109,12 @@ class SideChannelWrites:
         self._counters.add("send_descriptors", plan.num_descriptors)
         self._counters.add("send_seconds", written - started)
         sample, crc = self._byte_sample(plan, pull)
+        bytes_read = time.monotonic()
         logical = self._logical_sample(send, pull)
+        done = time.monotonic()
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
                             sample, crc, logical,
-                            (waited, written - started, time.monotonic() - written))
+                            (waited, written - started, done - written, done - bytes_read))
 
     def _byte_sample(self, plan: plans.TransferPlan, pull: hs.PullRequest
                      ) -> tuple[tuple[tuple[int, int], ...], int]:

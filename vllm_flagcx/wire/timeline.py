@@ -51,6 +51,13 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("first_token", "decode's step with the last prompt token, its answer -> router"),
 )
 
+# parts of a phase, read where the line has them (older peers' lines lack them): not
+# phases, so the phases still sum to the total; the table shows them under their phase
+DETAILS: tuple[tuple[str, str, str], ...] = (
+    ("prefill_sample.logical", "prefill_sample", "of which the logical sample"),
+    ("verify.bytes", "verify", "of which the byte sample's check"),
+)
+
 _LINE = re.compile(rf"{MARK} side=(router|decode) transfer=(\S+)((?: \w+=\S+)*)")
 
 
@@ -118,17 +125,29 @@ def breakdown(router: Mapping[str, float], decode: Mapping[str, float]) -> dict[
     return phases
 
 
+def details(decode: Mapping[str, float]) -> dict[str, float]:
+    """The ``DETAILS`` a decode line has (seconds): prefill's logical-sample part of its
+    sample (``p_logical``), decode's byte-sample part of its check (``d_bytes_check``)."""
+    out = {}
+    if "p_logical" in decode:
+        out["prefill_sample.logical"] = decode["p_logical"]
+    if "d_bytes_check" in decode:
+        out["verify.bytes"] = decode["d_bytes_check"]
+    return out
+
+
 def median_breakdown(text: str, since: float = 0.0) -> tuple[dict[str, float], int]:
-    """(phase -> median milliseconds over every request with both lines that came in at
-    ``since`` or later on the router's clock, how many)."""
+    """(phase or detail -> median milliseconds over every request with both lines that
+    came in at ``since`` or later on the router's clock, how many)."""
     lines = parse_lines(text)
-    per_request = [breakdown(router, lines["decode"][tid])
+    per_request = [{**breakdown(router, lines["decode"][tid]), **details(lines["decode"][tid])}
                    for tid, router in lines["router"].items()
                    if tid in lines["decode"] and router.get("t_in", 0.0) >= since]
     if not per_request:
         return {}, 0
-    return ({phase: statistics.median(p[phase] for p in per_request) * 1e3
-             for phase in per_request[0]}, len(per_request))
+    names = dict.fromkeys(k for p in per_request for k in p)
+    return ({name: statistics.median(p[name] for p in per_request if name in p) * 1e3
+             for name in names}, len(per_request))
 
 
 def table(medians: Mapping[str, float], count: int) -> str:
@@ -142,5 +161,7 @@ def table(medians: Mapping[str, float], count: int) -> str:
         value = medians.get(phase, 0.0)
         share = f"{100 * value / total:5.1f} %" if total > 0 else "    -"
         rows.append(f"  {phase:<15} {value:9.3f}  {share}  {what}")
+        rows += [f"    {name.partition('.')[2]:<13} {medians[name]:9.3f}           {part}"
+                 for name, parent, part in DETAILS if parent == phase and name in medians]
     rows.append(f"  {'total':<15} {total:9.3f}  (medians of phases need not sum to it)")
     return "\n".join(rows)
