@@ -70,8 +70,14 @@ def _measure(tokens: int, reps: int, device: str = "cpu", busy: bool = False
         for name, t in d.items():
             t.index_copy_(1, index, p[name].index_select(1, source))
 
-    def prefill() -> tuple[integrity.LogicalEntry, ...]:
-        return integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0, 1)
+    read = integrity.reader(host_memory=device == "cpu")
+    assert read is not None
+
+    def prefill(by: integrity.Reader | None = read) -> tuple[integrity.LogicalEntry, ...]:
+        return integrity.logical_sample(p_views, [p_ids], [d_ids], [None], 0, 1, 0, 1, by)
+
+    def decode(by: integrity.Reader | None = read) -> str | None:
+        return integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1, by)
 
     def timed(fn: Any, n: int) -> dict[str, float]:
         if not busy:
@@ -87,10 +93,9 @@ def _measure(tokens: int, reps: int, device: str = "cpu", busy: bool = False
 
     copy()
     entries = list(prefill())
-    assert integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1) is None
+    assert entries == list(prefill(None)), "the two readers disagree"
+    assert decode() is None and decode(None) is None
     tails = [(t.data_ptr() + k * 4096 + 4032, 64) for t in p.values() for k in range(2)][:16]
-    read = integrity.reader(host_memory=device == "cpu")
-    assert read is not None
     per_range = _per_range_reader(device)
     if device != "cpu":
         torch.cuda.synchronize()
@@ -101,8 +106,10 @@ def _measure(tokens: int, reps: int, device: str = "cpu", busy: bool = False
         # before 9c7cc1b: one synchronous copy per range (the legacy default stream)
         "byte_per_range": timed(lambda: integrity.checksum(tails, per_range), reps),
         "prefill": timed(prefill, reps),
-        "decode": timed(lambda: integrity.logical_mismatch(d_views, entries, [d_ids], 0, 1),
-                        reps),
+        "decode": timed(decode, reps),
+        # before this session: torch's indexing per layer, on a side stream
+        "prefill_torch": timed(lambda: prefill(None), reps),
+        "decode_torch": timed(lambda: decode(None), reps),
     }
     kv_bytes = sum(t[:, :blocks].numel() * 2 for t in p.values())
     if busy:
@@ -137,14 +144,15 @@ def run(quick: bool) -> dict[str, Any]:
         out += [_measure(TOKENS[-1], max(10, reps // 10), "cuda", busy=True)]
     rows = [(r["device"], r["tokens"], f"{r['kv_bytes'] / 1e6:.1f}", r["keys"],
              r["copy_us"]["median"], r["byte_us"]["median"], r["byte_per_range_us"]["median"],
-             r["prefill_us"]["median"],
-             r["decode_us"]["median"], r["decode_vs_copy"]) for r in out]
+             r["prefill_us"]["median"], r["decode_us"]["median"],
+             r["prefill_torch_us"]["median"], r["decode_torch_us"]["median"],
+             r["decode_vs_copy"]) for r in out]
     text = report.table(
         f"B2d integrity checks of one pull vs copying its KV once (host memory, Qwen3.6 "
         f"attention at TP 1), {reps} reps, medians in us",
         ("device", "tokens", "KV MB", "logical keys", "copy", "byte sample",
-         "byte, 1 read/range", "logical prefill",
-         "logical decode", "decode / copy"), rows)
+         "byte, 1 read/range", "logical prefill", "logical decode",
+         "prefill, torch", "decode, torch", "decode / copy"), rows)
     return {"name": "b2d_integrity", "text": text, "rows": out}
 
 

@@ -132,6 +132,45 @@ def test_integrity_checksum_reads_device_memory():
     assert integrity.checksum(ranges, read) != want
 
 
+def test_many_ranges_are_read_by_one_gather_and_land_in_order():
+    """From BATCH_MIN ranges on, ``read_many`` packs them with the batched kernel: odd
+    sizes and unaligned starts included, each piece is exactly its range's bytes."""
+    from vllm_flagcx.transport import cuda_ipc
+
+    cuda = cuda_ipc.driver()
+    assert cuda is not None
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    host = data.cpu().numpy()
+    starts = [0, 17, 4096, 9000, 65536 + 3, 300_000, 500_001, 777_777, 1_000_000, 123]
+    sizes = [64, 5, 256, 1, 64, 333, 16, 48, 4096, 7]
+    assert len(starts) >= cuda_ipc.BATCH_MIN
+    got = cuda.read_many([(data.data_ptr() + a, n) for a, n in zip(starts, sizes,
+                                                                   strict=True)])
+    assert got == [host[a:a + n].tobytes() for a, n in zip(starts, sizes, strict=True)]
+
+
+def test_the_logical_sample_reads_device_caches_as_indexing_does():
+    """The element ranges of a GPU cache view, read by the device reader, give the crcs
+    torch's indexing gives; a changed element changes its key's crc."""
+    from vllm_flagcx.compat import kv_views
+    from vllm_flagcx.compat.kv_cache import SpecKind
+    from vllm_flagcx.connector import integrity
+    from vllm_flagcx.layout.logical import LayerFacts
+
+    cache = torch.randn((2, 6, 16, 4, 128), device="cuda").to(torch.bfloat16)
+    parts = kv_views.layer_parts(cache, SpecKind.FULL_ATTENTION, "2BNHD")
+    view = kv_views.AttentionView(tuple(parts), LayerFacts(0, 16, 4), 1)
+    blocks, slots, heads = [0, 5, 3, 3, 1], [0, 15, 7, 8, 2], [0, 3, 1, 2, 0]
+    read = integrity.reader(host_memory=False)
+    lookup = [(view, blocks, slots, heads)]
+    got = kv_views.crcs_batched(lookup, read)
+    assert got == kv_views.crcs_batched(lookup)
+    cache[1, 3, 7, 1, 5] += 1
+    changed = kv_views.crcs_batched(lookup, read)[0]
+    assert [a != b for a, b in zip(got[0], changed, strict=True)] == [False, False, True,
+                                                                      False, False]
+
+
 def test_a_range_over_two_allocations_is_exported_per_allocation():
     """vLLM's KV tensors are separate allocations, often back to back, and the connector
     registers adjacent storages as one span: each allocation needs its own IPC handle."""

@@ -179,13 +179,17 @@ def _old_packed_kv_regions(name, cache, group, kind, total_kv_heads):
                                  head_bytes=int(cache.stride(1)) * elem, interleaved=False)
 
 
+@pytest.mark.parametrize("by_ranges", [False, True], ids=["torch-indexing", "strided-ranges"])
 @pytest.mark.parametrize("old_reading", [False, True], ids=["fixed", "old-4d-reading"])
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC,
                                     KVCacheLayout.LBHNC], ids=lambda m: m.name)
-def test_the_logical_sample_catches_the_old_nhd_reading(monkeypatch, layout, old_reading):
+def test_the_logical_sample_catches_the_old_nhd_reading(monkeypatch, layout, old_reading,
+                                                        by_ranges):
     """Prefill's and decode's logical samples over vLLM's own views, after the planned
     copy: equal with today's regions, different with the reading that moved one token per
-    NHD block (where the old byte sample passed: it compares the plan with itself)."""
+    NHD block (where the old byte sample passed: it compares the plan with itself). Both
+    ways of reading the elements: torch's indexing, and the ranges the views' strides
+    place (read at once, as the product does where it has a reader)."""
     from vllm_flagcx.compat import kv_views
     from vllm_flagcx.connector import integrity
 
@@ -198,9 +202,11 @@ def test_the_logical_sample_catches_the_old_nhd_reading(monkeypatch, layout, old
     config = _config(1, layout)
     p_views, d_views = (kv_views.attention_views(c[0], config, GLOBAL_HEADS, None, [1])
                         for c in (p_caches, d_caches))
-    entries = integrity.logical_sample(p_views, [p_blocks], [d_blocks], [None], 0, 1, 0, 1)
+    read = integrity.read_host if by_ranges else None
+    entries = integrity.logical_sample(p_views, [p_blocks], [d_blocks], [None], 0, 1, 0, 1,
+                                       read)
     assert len(entries) >= GLOBAL_HEADS
-    mismatch = integrity.logical_mismatch(d_views, list(entries), [d_blocks], 0, 1)
+    mismatch = integrity.logical_mismatch(d_views, list(entries), [d_blocks], 0, 1, read)
     if old_reading and layout.name in ("LBNHC", "BLNHC"):
         assert mismatch is not None and "logical integrity check failed" in mismatch
     else:

@@ -12,13 +12,14 @@ the check is skipped, and decode says so once.
 
 The byte sample cannot see a plan that names the wrong bytes (it compares what the plan
 moved with itself). The logical sample can: prefill picks (layer, block, token, head) keys
-(``layout.logical.sample_keys``), reads each element through the tensor's own indexing
-(``compat.kv_views``) and sends a crc per key; decode refuses keys it may not read
+(``layout.logical.sample_keys``), reads each element where the tensor's own strides put it
+(``compat.kv_views``: one read of every element through the byte sample's reader, or
+torch's indexing where there is none) and sends a crc per key; decode refuses keys it may not read
 (``layout.logical.refuse_keys``), reads the same elements of its own blocks, and fails the
 request on the first difference, naming it. Both samples are read by prefill before its
 reply (the blocks may be reused right after) and by decode after every prefill rank
 replied (each rank's write is complete when it replies); decode's read is on the pull's
-critical path: ``benchmarks/b2c_write_checks.py`` measures both.
+critical path: ``benchmarks/b2d_integrity.py`` measures both.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
 LogicalEntry = tuple[str, int, int, int, int]  # (layer, receiver block, token, head, crc)
 
 
-def _local(layers: list[tuple[Any, list[tuple[int, int, int]], int]]) -> list[list[int]]:
+def _local(layers: list[tuple[Any, list[tuple[int, int, int]], int]],
+           read: Reader | None) -> list[list[int]]:
     """Per (view, [(logical block, token, global head)], first head of this rank): the
-    crcs of those elements, all layers read at once (``kv_views.crcs_batched``)."""
+    crcs of those elements, all layers read at once (``kv_views.crcs_batched``: through
+    ``read`` where it can, else torch's indexing)."""
     from vllm_flagcx.compat.kv_views import crcs_batched
 
     lookups = []
@@ -109,12 +112,13 @@ def _local(layers: list[tuple[Any, list[tuple[int, int, int]], int]]) -> list[li
                    for b, t, _ in keys]
         lookups.append((view, [k for k, _ in located], [s for _, s in located],
                         [h - first_head for _, _, h in keys]))
-    return crcs_batched(lookups)
+    return crcs_batched(lookups, read)
 
 
 def logical_sample(views: Mapping[str, Any], sender_ids: list[list[int]],
                    receiver_ids: list[list[int]], offsets: list[int | None],
-                   rank: int, tp: int, peer_rank: int, peer_tp: int) -> tuple[LogicalEntry, ...]:
+                   rank: int, tp: int, peer_rank: int, peer_tp: int,
+                   read: Reader | None = None) -> tuple[LogicalEntry, ...]:
     """Prefill: the keys of this (rank, peer rank) pair with the crc of each as THIS side
     holds it. Empty when the two ranks share no head or no block."""
     if not views:
@@ -130,14 +134,15 @@ def logical_sample(views: Mapping[str, Any], sender_ids: list[list[int]],
     rows = {name: [(k, s) for k, s in picked if k.layer == name] for name in names}
     crcs = _local([(views[name], [(s, k.token, k.head) for k, s in rows[name]],
                     head_range(rank, tp, views[name].facts.global_heads)[0])
-                   for name in names])
+                   for name in names], read)
     return tuple((k.layer, k.block, k.token, k.head, c)
                  for name, layer_crcs in zip(names, crcs, strict=True)
                  for (k, _), c in zip(rows[name], layer_crcs, strict=True))
 
 
 def logical_mismatch(views: Mapping[str, Any], entries: list[LogicalEntry],
-                     block_ids: list[list[int]], rank: int, tp: int) -> str | None:
+                     block_ids: list[list[int]], rank: int, tp: int,
+                     read: Reader | None = None) -> str | None:
     """Decode: why the request's bytes are not prefill's (a refused key or the first
     differing element), or None when every key matches."""
     if not views or not entries:
@@ -154,7 +159,7 @@ def logical_mismatch(views: Mapping[str, Any], entries: list[LogicalEntry],
                    if k.layer == name] for name in names}
     got = _local([(views[name], [(k.block, k.token, k.head) for k, _ in rows[name]],
                    head_range(rank, tp, views[name].facts.global_heads)[0])
-                  for name in names])
+                  for name in names], read)
     for name, layer_got in zip(names, got, strict=True):
         for (key, want), have in zip(rows[name], layer_got, strict=True):
             if want != have:

@@ -179,7 +179,7 @@ class Puller:
         if self._settings.verify_integrity:
             mismatch = integrity.logical_mismatch(
                 reg.views, entries, [list(g) for g in task.block_ids],
-                self._settings.tp_rank, self._settings.tp_size)
+                self._settings.tp_rank, self._settings.tp_size, reg.read_kv)
             self._counters.add("integrity_logical_keys", len(entries))
             if mismatch is not None:
                 self._counters.add("integrity_failures")

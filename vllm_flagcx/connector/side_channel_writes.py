@@ -139,7 +139,8 @@ class SideChannelWrites:
             return integrity.logical_sample(
                 self._registration.views, [list(g) for g in send.task.block_ids],
                 [list(g) for g in pull.block_ids], list(pull.offsets),
-                s.tp_rank, s.tp_size, pull.sheet.tp_rank, pull.sheet.tp_size)
+                s.tp_rank, s.tp_size, pull.sheet.tp_rank, pull.sheet.tp_size,
+                self._registration.read_kv)
         except Exception as exc:  # the bytes moved; only the proof of it is lost
             logger.warning("FlagCX logical integrity sample of %s not taken: %s",
                            pull.transfer_id, exc)

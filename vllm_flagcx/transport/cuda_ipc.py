@@ -154,23 +154,32 @@ class CudaDriver:
                                            ctypes.c_size_t(size)), "cuMemsetD8")
 
     def read_many(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """The bytes of several small device ranges: every copy queued on this thread's
-        own non-blocking stream, one synchronisation for all. One synchronous copy per
+        """The bytes of several small device ranges, on this thread's own non-blocking
+        stream with one synchronisation: from ``BATCH_MIN`` ranges on, one gather launch
+        (``BatchedCopy.gather``), else one async copy per range. One synchronous copy per
         range waited on the legacy default stream each time (and on whatever the engine had
-        queued there): B5 on an H200 measured ~2 ms for a 16-range sample on each side."""
+        queued there): B2d on an H100 measured 13 ms for a 16-range sample behind a busy
+        default stream, 0.16 ms on a stream of its own."""
         if not ranges:
             return []
-        self.use_device(self.device_of(ranges[0][0]))
+        ordinal = self.device_of(ranges[0][0])
+        self.use_device(ordinal)
         stream = self._local.stream
-        out = ctypes.create_string_buffer(sum(size for _, size in ranges))
-        base, offset = ctypes.addressof(out), 0
-        for address, size in ranges:
-            self._check(self.lib.cuMemcpyDtoHAsync_v2(
-                ctypes.c_void_p(base + offset), ctypes.c_uint64(address),
-                ctypes.c_size_t(size), stream), "cuMemcpyDtoHAsync (integrity sample)")
-            offset += size
-        self._check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        raw, pieces, offset = out.raw, [], 0
+        kernel = self._kernel(ordinal) if len(ranges) >= BATCH_MIN else None
+        if kernel is not None:
+            raw = kernel.gather(stream, np.array([a for a, _ in ranges], dtype=np.uint64),
+                                np.array([n for _, n in ranges], dtype=np.uint64))
+        else:
+            out = ctypes.create_string_buffer(sum(size for _, size in ranges))
+            base, offset = ctypes.addressof(out), 0
+            for address, size in ranges:
+                self._check(self.lib.cuMemcpyDtoHAsync_v2(
+                    ctypes.c_void_p(base + offset), ctypes.c_uint64(address),
+                    ctypes.c_size_t(size), stream), "cuMemcpyDtoHAsync (integrity sample)")
+                offset += size
+            self._check(self.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            raw = out.raw
+        pieces, offset = [], 0
         for _, size in ranges:
             pieces.append(raw[offset:offset + size])
             offset += size
