@@ -83,6 +83,14 @@ class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         raise NotImplementedError
 
 
+def step_computes_nothing(scheduler_output: object) -> bool:
+    """The step schedules no token (``SchedulerOutput.total_num_scheduled_tokens == 0``,
+    a field of every supported build): its workers run only the connector's hooks. A
+    build without the field reads as "computes", so nothing ever waits there."""
+    scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    return isinstance(scheduled, int) and scheduled == 0
+
+
 def role_is_scheduler(role: Any) -> bool:
     return role == KVConnectorRole.SCHEDULER
 

@@ -29,6 +29,7 @@ from vllm_flagcx.compat.connector_api import (
     PortableConnectorBase,
     SummedConnectorStats,
     role_is_scheduler,
+    step_computes_nothing,
     transfer_results,
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
@@ -189,7 +190,8 @@ class FlagCXConnector(PortableConnectorBase):
         self._scheduler_half().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return FlagCXConnectorMetadata(self._scheduler_half().build_payload())
+        return FlagCXConnectorMetadata(
+            self._scheduler_half().build_payload(idle=step_computes_nothing(scheduler_output)))
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -230,6 +232,7 @@ class FlagCXConnector(PortableConnectorBase):
             lease_seconds=self.settings.lease_seconds,
             write_start_timeout=self.settings.write_start_timeout,
             release_hold_seconds=self.settings.release_hold_seconds,
+            idle_step_wait_seconds=self.settings.idle_step_wait_seconds,
             skip_compat_hash=not self.settings.enforce_handshake_compat,
             verify_integrity=self.settings.verify_integrity,
             host_memory=host_memory,

@@ -63,3 +63,4 @@ class FlagCXMetadataPayload:
     send: dict[RequestId, SendTask] = field(default_factory=dict)
     release: dict[TransferId, RemotePrefill] = field(default_factory=dict)
     preempted_req_ids: set[RequestId] = field(default_factory=set)
+    idle: bool = False  # the step computes no token (``connector.in_flight``)

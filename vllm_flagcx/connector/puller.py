@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_flagcx.connector import fault_knobs, integrity
 from vllm_flagcx.connector.counters import Counters
+from vllm_flagcx.connector.in_flight import InFlight
 from vllm_flagcx.connector.ledger import FailureLedger
 from vllm_flagcx.connector.metadata import RecvTask, RequestId, TransferId
 from vllm_flagcx.connector.observations import Observations
@@ -42,8 +43,9 @@ class Puller:
 
     def __init__(self, settings: WorkerSettings, registration: Registration,
                  ledger: FailureLedger, counters: Counters,
-                 observations: Observations) -> None:
+                 observations: Observations, in_flight: InFlight | None = None) -> None:
         self._settings = settings
+        self._in_flight = in_flight or InFlight()
         self._registration = registration
         self._ledger = ledger
         self._counters = counters
@@ -57,7 +59,12 @@ class Puller:
         self._stop = threading.Event()
 
     def submit_pull(self, task: RecvTask) -> None:
-        self._tasks.submit(self._pull_guarded, task)
+        self._in_flight.begin()  # ended by _pull_guarded, whatever happens in it
+        try:
+            self._tasks.submit(self._pull_guarded, task)
+        except BaseException:
+            self._in_flight.end()
+            raise
 
     def submit_release(self, transfer_id: TransferId, remote: RemotePrefill) -> None:
         self._tasks.submit(self._release, transfer_id, remote,
@@ -128,6 +135,7 @@ class Puller:
                 self._ledger.record("recv", task.request_id, flat, error)
         finally:
             self._observations.pull_ended()
+            self._in_flight.end()
 
     def _pull(self, task: RecvTask) -> None:
         reg = self._registration

@@ -191,8 +191,11 @@ class SchedulerHalf:
             request.request_id, remote, ids, num_external_tokens, offsets, time.monotonic())
 
     # -------------------------------------------------------------------- both sides
-    def build_payload(self) -> FlagCXMetadataPayload:
+    def build_payload(self, idle: bool = False) -> FlagCXMetadataPayload:
+        """This step's payload; ``idle``: the step computes no token (its workers may
+        wait for transfers in flight, ``connector.in_flight``)."""
         payload, self._pending = self._pending, FlagCXMetadataPayload()
+        payload.idle = idle
         self.loads.dispatch(payload.recv)
         return payload
 

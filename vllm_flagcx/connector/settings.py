@@ -46,6 +46,17 @@ def _seconds(key: str, value: Any) -> float:
     return number
 
 
+def _seconds_or_off(key: str, value: object) -> float:
+    """Seconds >= 0, where 0 switches the thing off."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    try:
+        return _seconds(key, value)
+    except SettingsError:
+        raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a number of "
+                            "seconds >= 0 (0: off)") from None
+
+
 def _port(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a TCP port "
@@ -94,6 +105,7 @@ KEYS: dict[str, Callable[[str, Any], Any]] = {
     "handshake_timeout": _seconds,
     "write_start_timeout": _seconds,
     "release_hold_seconds": _seconds,
+    "idle_step_wait_seconds": _seconds_or_off,
     "enforce_handshake_compat": _bool,
     "test_faults": _bool,
     "log_timelines": _bool,
@@ -152,6 +164,9 @@ class ConnectorSettings:
     # D: a failed pull's blocks stay held (Release retried) until prefill confirms that no
     # write into them is in flight, or its port refuses connections, at most this long
     release_hold_seconds: float = 600.0
+    # both: a step that computes no token waits up to this long for the transfers in
+    # flight on the connector's threads (``connector.in_flight``); 0: never waits
+    idle_step_wait_seconds: float = 0.005
     enforce_handshake_compat: bool = True
     test_faults: bool = False
     # D: one wire.timeline line per load at INFO (where a request's time goes); else DEBUG

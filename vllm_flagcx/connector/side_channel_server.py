@@ -28,6 +28,7 @@ from typing import Any
 
 from vllm_flagcx.connector.counters import Counters
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
+from vllm_flagcx.connector.in_flight import InFlight
 from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
 from vllm_flagcx.connector.peer_credentials import PeerCheck
 from vllm_flagcx.connector.receivers import pull_problem
@@ -76,8 +77,10 @@ class SideChannelServer:
     """Prefill's side channel for one TP rank (see the module docstring)."""
 
     def __init__(self, settings: WorkerSettings, transport: Transport,
-                 registration: Registration, sends: Sends, counters: Counters) -> None:
+                 registration: Registration, sends: Sends, counters: Counters,
+                 in_flight: InFlight | None = None) -> None:
         self._settings = settings
+        self._in_flight = in_flight or InFlight()  # claimed writes, queued or running
         self._transport = transport
         self._registration = registration
         self._sends = sends
@@ -314,13 +317,25 @@ class SideChannelServer:
         claim, what = self._sends.claim(pull.transfer_id, pull.sheet.engine_id)
         if claim is Claim.WRITE:
             assert self._writer is not None and isinstance(what, Send)
-            self._writer.submit(self._writes.run, ident, what, pull, now)
+            self._in_flight.begin()
+            try:
+                self._writer.submit(self._write_then_end, ident, what, pull, now)
+            except BaseException:
+                self._in_flight.end()
+                raise
             return Pending.WRITING
         if claim is Claim.REFUSED:
             return hs.PullReply(pull.transfer_id, False, str(what))
         if claim is Claim.ENDED:
             return hs.PullReply(pull.transfer_id, False, f"transfer ended here: {what}")
         return Pending.WAIT
+
+    def _write_then_end(self, ident: bytes, send: Send, pull: hs.PullRequest,
+                        claimed_at: float) -> None:
+        try:
+            self._writes.run(ident, send, pull, claimed_at)
+        finally:
+            self._in_flight.end()
 
     def _serve_parked(self) -> list[tuple[bytes, hs.Message]]:
         now = time.monotonic()

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_flagcx.connector.counters import Counters
+from vllm_flagcx.connector.in_flight import InFlight
 from vllm_flagcx.connector.ledger import STAGES, FailureLedger
 from vllm_flagcx.connector.metadata import FlagCXMetadataPayload, RequestId
 from vllm_flagcx.connector.observations import Observations
@@ -59,6 +60,8 @@ class WorkerHalf:
         self.registration: Registration | None = None
         self.server: SideChannelServer | None = None  # prefill
         self.puller: Puller | None = None  # decode (made at registration)
+        self.in_flight = InFlight()  # pulls (decode) and writes (prefill) running now
+        self._step_idle = False  # this step computes no token (its payload says)
         self._lock = threading.Lock()
         self._pending_invalid: set[int] = set()
         self.failed_last_step: set[str] = set()  # vLLM request ids whose load failed
@@ -72,10 +75,11 @@ class WorkerHalf:
         reg = register(self.settings, self.transport, regions, logical_num_blocks, views)
         self.registration = reg
         self.stats.set("registered_storages", len(reg.storages))
-        self.puller = Puller(self.settings, reg, self.ledger, self.stats, self.observations)
+        self.puller = Puller(self.settings, reg, self.ledger, self.stats, self.observations,
+                             self.in_flight)
         if serve:
             self.server = SideChannelServer(self.settings, self.transport, reg, self.sends,
-                                            self.stats)
+                                            self.stats, self.in_flight)
             self.server.start()
 
     @property
@@ -92,6 +96,7 @@ class WorkerHalf:
 
     # ---------------------------------------------------------------- per step
     def start_step(self, payload: FlagCXMetadataPayload) -> None:
+        self._step_idle = payload.idle
         for send in payload.send.values():
             self.sends.arm(send)  # a duplicate transfer id: done at once (scheduler refuses)
         if self.puller is None:  # vLLM registers the KV caches before any step
@@ -107,7 +112,16 @@ class WorkerHalf:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving); failed receives are finished too, with
-        their blocks held for ``get_block_ids_with_load_errors`` of the same step."""
+        their blocks held for ``get_block_ids_with_load_errors`` of the same step.
+
+        A step that computes no token first waits (at most ``idle_step_wait_seconds``) for
+        the transfers in flight, so they run without an engine loop spinning beside them
+        and a load that ends meanwhile is reported now (``connector.in_flight``)."""
+        if self._step_idle:
+            self._step_idle = False
+            waited = self.in_flight.wait_idle(self.settings.idle_step_wait_seconds)
+            if waited:
+                self.stats.add("idle_step_waits")
         self.stats.add("expired_leases", self.sends.expire(time.monotonic()))
         failed, blocks = self.ledger.drain()
         loaded = self.puller.take_finished() if self.puller is not None else {}

@@ -31,6 +31,7 @@ class WorkerSettings:
     verify_integrity: bool = DEFAULTS.verify_integrity  # checksum a sample of every transfer
     write_start_timeout: float = DEFAULTS.write_start_timeout
     release_hold_seconds: float = DEFAULTS.release_hold_seconds
+    idle_step_wait_seconds: float = DEFAULTS.idle_step_wait_seconds
     host_memory: bool = True  # the KV caches are host memory (else device: read via CUDA)
     test_faults: bool = DEFAULTS.test_faults  # honour kv_transfer_params.flagcx_test_fault
     log_timelines: bool = DEFAULTS.log_timelines  # one wire.timeline line per load at INFO

@@ -98,6 +98,9 @@ FAMILIES: tuple[Family, ...] = (
            "Release messages to prefill that had to be sent again", "decode"),
     Family("integrity_failures", "vllm:flagcx_integrity_failures", Kind.COUNTER,
            "Pulls whose bytes failed the integrity check", "decode"),
+    Family("idle_step_waits", "vllm:flagcx_idle_step_waits", Kind.COUNTER,
+           "Engine steps with no token to compute that waited for transfers in flight",
+           "both"),
 )
 
 BY_KEY = {f.key: f for f in FAMILIES}

@@ -1,0 +1,121 @@
+"""An engine step that computes no token waits for the transfers in flight
+(``connector.in_flight``): the wait itself, the flag the real Scheduler's output sets, a
+load reported in the very step that planned it, a prefill step that waits out a write, and
+the setting that turns it off."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from testkit import pd_harness as pd
+from testkit import vllm_harness as harness
+from testkit.transport_standin import Faults
+
+from vllm_flagcx.connector.in_flight import InFlight
+from vllm_flagcx.connector.settings import ConnectorSettings, SettingsError
+
+
+def test_nothing_in_flight_returns_at_once():
+    assert InFlight().wait_idle(5.0) == 0.0
+
+
+def test_the_wait_ends_when_the_last_transfer_ends():
+    flight = InFlight()
+    flight.begin()
+    flight.begin()
+    timers = [threading.Timer(0.05, flight.end), threading.Timer(0.15, flight.end)]
+    for t in timers:
+        t.start()
+    waited = flight.wait_idle(5.0)
+    assert 0.1 <= waited < 2.0 and flight.running == 0
+
+
+def test_the_wait_is_bounded():
+    flight = InFlight()
+    flight.begin()
+    started = time.monotonic()
+    assert 0.05 <= flight.wait_idle(0.05) < 1.0
+    assert time.monotonic() - started < 1.0 and flight.running == 1
+    assert flight.wait_idle(0) == 0.0  # off
+
+
+@pytest.mark.parametrize("value", [-1, "soon", float("nan"), True])
+def test_a_bad_wait_setting_names_the_key(value):
+    with pytest.raises(SettingsError, match="idle_step_wait_seconds"):
+        ConnectorSettings.from_extra({"idle_step_wait_seconds": value})
+
+
+def test_zero_turns_the_wait_off():
+    assert ConnectorSettings.from_extra({"idle_step_wait_seconds": 0}).idle_step_wait_seconds \
+        == 0.0
+
+
+def _pair(p_wait: float, d_wait: float, p_faults: Faults | None = None):
+    p = pd.build_instance("kv_producer", 1, pd.free_port(), model="dense", via_entry=True,
+                          faults=p_faults, extra={"idle_step_wait_seconds": p_wait})
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="dense", via_entry=True,
+                          extra={"idle_step_wait_seconds": d_wait})
+    return p, d
+
+
+def _to_decode(p, d, records) -> str:
+    pd.step_prefill(p, 2)  # prefill arms the finished request's send
+    (rec,) = records.values()
+    req = harness.make_request(rec["tokens"], max_tokens=2, kv_transfer_params=rec["params"])
+    d.scheduler.add_request(req)
+    return req.request_id
+
+
+def test_a_load_is_reported_in_the_empty_step_that_planned_it():
+    """Decode's first step schedules no token (its one request waits for KV): the worker
+    waits for the pull there and reports it, so the next step already computes it."""
+    p, d = _pair(p_wait=0.0, d_wait=5.0)
+    try:
+        rid = _to_decode(p, d, pd.run_prefill(p, [40]))
+        d.step()
+        assert d.workers[0].stats.get("idle_step_waits", 0) == 1
+        assert d.workers[0].in_flight.running == 0
+        d.step()
+        assert rid in d.scheduled_blocks  # computed in step 2: the load came in step 1
+        pd.settle(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_step_that_computes_tokens_never_waits_and_zero_never_waits():
+    """Decode with the wait off: the load still arrives (reported by a later step), and
+    no step waited. Prefill's steps that computed its prompt did not wait either."""
+    p, d = _pair(p_wait=5.0, d_wait=0.0)
+    try:
+        records = pd.run_prefill(p, [40])
+        assert p.workers[0].stats.get("idle_step_waits", 0) == 0  # no transfer yet
+        rid = _to_decode(p, d, records)
+        pd.settle(p, d)
+        assert rid in d.scheduled_blocks
+        assert d.workers[0].stats.get("idle_step_waits", 0) == 0
+        assert d.workers[0].stats.get("recv_requests", 0) == 1
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_an_empty_prefill_step_waits_out_a_write_in_flight():
+    """Prefill holds only the finished request (its steps compute nothing) while decode's
+    pull is written (the stand-in's write takes 0.3 s): a prefill step waits for it."""
+    p, d = _pair(p_wait=5.0, d_wait=0.0, p_faults=Faults(delay_seconds=0.3))
+    try:
+        rid = _to_decode(p, d, pd.run_prefill(p, [40]))
+        d.step()  # decode plans the load; its pull goes to prefill's side channel
+        deadline = time.monotonic() + 10
+        while not p.workers[0].stats.get("idle_step_waits", 0) and time.monotonic() < deadline:
+            p.step()
+        assert p.workers[0].stats.get("idle_step_waits", 0) >= 1
+        assert p.workers[0].in_flight.running == 0  # that step returned after the write
+        pd.settle(p, d)
+        assert rid in d.scheduled_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
