@@ -107,6 +107,28 @@ def _serve(d: Any, num_prompts: int, concurrent_url: str) -> dict[str, dict[str,
     return out
 
 
+EXTRA_ENV = "VLLM_FLAGCX_B5_EXTRA"  # JSON merged into both engines' extra config
+
+
+def _extra_from_env() -> dict[str, Any]:
+    """Connector settings for an A/B run of B5 (``VLLM_FLAGCX_B5_EXTRA='{"key": v}'``)."""
+    import json
+
+    raw = os.environ.get(EXTRA_ENV, "")
+    return dict(json.loads(raw)) if raw else {}
+
+
+def _merge_extra_config(argv: list[str], extra: dict[str, Any]) -> None:
+    import json
+
+    if not extra:
+        return
+    at = argv.index("--kv-transfer-config") + 1
+    config = json.loads(argv[at])
+    config["kv_connector_extra_config"] = {**config["kv_connector_extra_config"], **extra}
+    argv[at] = json.dumps(config)
+
+
 def run(quick: bool) -> dict[str, Any]:
     skipped = report.not_run_without_cuda("b5_engines", "B5 transfer inside engines")
     if skipped is not None:
@@ -122,6 +144,9 @@ def run(quick: bool) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="b5-"))
     d = engines.Deployment(workdir, "sliding", "bfloat16", engine_args=ENGINE_ARGS,
                            cpu_isa="auto", max_model_len=MAX_MODEL_LEN)
+    extra = _extra_from_env()
+    for server in (d.prefill, d.decode):
+        _merge_extra_config(server.argv, extra)
     # our router's concurrent mode too: decode's leg starts with prefill's, its pull waits
     # at prefill's side channel until the KV is ready (no breakdown: the legs overlap)
     concurrent = sv.router_server(sys.executable, engines.rs.free_port(),
@@ -150,6 +175,7 @@ def run(quick: bool) -> dict[str, Any]:
          for name, s in serve.items()])
     text += "\n\n" + _breakdown_text(rows, serve)
     return {"name": "b5_engines", "text": text, "engines_ready_seconds": round(ready, 1),
+            "extra_config": extra,
             "rows": rows, "serve": serve, "engine_args": list(ENGINE_ARGS)}
 
 
