@@ -189,7 +189,9 @@ def _breakdown_text(rows: list[dict[str, Any]], serve: dict[str, dict[str, Any]]
     pd = serve.get("pd_router", {})
     columns.append((f"serve 8/s (n={pd.get('breakdown_requests', 0)})",
                     pd.get("breakdown_ms", {})))
-    names = [p for p, _ in timeline.PHASES] + ["total"]
+    names = [name for phase, _ in timeline.PHASES
+             for name in (phase, *(d for d, parent, _ in timeline.DETAILS if parent == phase))]
+    names.append("total")
     return report.table(
         "PD time to first byte by phase, median ms (router + decode timelines, one clock); "
         "transfers: max_tokens=2, not streamed, so first_token includes the whole answer",
