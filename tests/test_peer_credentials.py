@@ -147,3 +147,27 @@ def test_netlink_and_the_proc_table_name_the_same_owner():
     assert sock_diag.parse_reply(b"\x00" * 8) is None
     with pytest.raises(ValueError):
         sock_diag.request_bytes(("127.0.0.1", 1), ("::1", 2))
+
+
+def test_a_process_found_holding_the_socket_is_not_searched_again_for_a_while(
+        tmp_path, monkeypatch):
+    """The fd scan runs once per (pid, socket) for ``HELD_SECONDS``; a refusal is never
+    kept (a pid that did not hold the socket is searched again), and the verdict ends."""
+    (tmp_path / "77" / "fd").mkdir(parents=True)
+    link = tmp_path / "77" / "fd" / "5"
+    check = pc.PeerCheck(authenticated=True, proc=str(tmp_path))
+    scans = []
+    real = pc.holds_socket
+    monkeypatch.setattr(pc, "holds_socket",
+                        lambda pid, inode, proc: scans.append(pid) or real(pid, inode, proc))
+    assert not check._holds(77, 987654)  # not held yet: refused, and not remembered
+    os.symlink("socket:[987654]", link)
+    assert check._holds(77, 987654)
+    assert len(scans) == 2
+    link.unlink()  # within the time the verdict is kept, no scan
+    assert check._holds(77, 987654) and len(scans) == 2
+    assert not check._holds(77, 987655)  # another socket is searched
+    now = pc.time.monotonic()
+    monkeypatch.setattr(pc.time, "monotonic", lambda: now + pc.HELD_SECONDS + 1)
+    assert not check._holds(77, 987654)  # the verdict ended: searched, and gone
+    assert len(scans) == 4
