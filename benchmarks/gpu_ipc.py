@@ -187,7 +187,10 @@ def _run(conn, desc, d_base, pool, repeats: int) -> dict:
     return {"machine": fingerprint, "rows": rows, "tuning": tuning}
 
 
-SHAPES = ((256, 8192), (256, 4096), (256, 2048), (512, 4096), (128, 4096), (128, 2048))
+# (threads per block, bytes per warp before a descriptor is split, most blocks in y)
+SHAPES = ((256, 8192, 65535), (256, 2048, 65535), (128, 2048, 65535), (256, 8192, 2112),
+          (256, 8192, 1056), (256, 8192, 528), (256, 2048, 1056), (512, 8192, 528),
+          (128, 8192, 2112), (1024, 8192, 132))
 
 
 def _tuning(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
@@ -201,15 +204,16 @@ def _tuning(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
     cuda = cuda_ipc.driver()
     lib, stream = cuda.lib, cuda._local.stream
     kernel = cuda._kernel(ordinal)
-    saved = cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT
+    saved = (cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT,
+             cuda_kernel.MAX_GRID_Y)
     begin, end = ctypes.c_void_p(), ctypes.c_void_p()
     lib.cuEventCreate(ctypes.byref(begin), 0)
     lib.cuEventCreate(ctypes.byref(end), 0)
     shapes = []
     try:
-        for threads, split_bytes in SHAPES:
+        for threads, split_bytes, max_rows in SHAPES:
             cuda_kernel.THREADS, cuda_kernel.WARPS = threads, threads // 32
-            cuda_kernel.BYTES_PER_SPLIT = split_bytes
+            cuda_kernel.BYTES_PER_SPLIT, cuda_kernel.MAX_GRID_Y = split_bytes, max_rows
             device = []
             for _ in range(repeats):
                 lib.cuEventRecord(begin, stream)
@@ -220,15 +224,17 @@ def _tuning(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
                 lib.cuEventElapsedTime(ctypes.byref(ms), begin, end)
                 device.append(ms.value / 1e3)
             shapes.append({"threads": threads, "bytes_per_split": split_bytes,
-                           "device_us": statistics.median(device) * 1e6})
+                           "max_rows": max_rows, "device_us": statistics.median(device) * 1e6})
     finally:
-        cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT = saved
+        (cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT,
+         cuda_kernel.MAX_GRID_Y) = saved
     return {"shapes": shapes}
 
 
 def tuning_table(tuning: dict) -> str:
-    lines = [f"{'threads':>8} {'split B':>8} {'device us':>10}"]
-    lines += [f"{r['threads']:>8} {r['bytes_per_split']:>8} {r['device_us']:>10.1f}"
+    lines = [f"{'threads':>8} {'split B':>8} {'rows':>6} {'device us':>10}"]
+    lines += [f"{r['threads']:>8} {r['bytes_per_split']:>8} {r.get('max_rows', 65535):>6} "
+              f"{r['device_us']:>10.1f}"
               for r in tuning.get("shapes", [])]
     return "\n".join(lines)
 
