@@ -9,7 +9,9 @@ before bytes move: its fields (``pull_problem``), the receiver's regions pinned 
 incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
 (``bounds.check_within``), and the transfer's first puller (``Sends.claim``).
 
-It owns its socket, thread, wake pipe, outbox, parked pulls and writer pool; the
+Who may talk at all (envelope, local peer, MAC, CURVE role) is decided first, by
+``side_channel_gate.Gate``. It owns its socket, thread, wake pipe, outbox, parked pulls and
+writer pool; the
 transfers (``Sends``) and the counters are shared with the worker that built it, and what
 was registered comes as one frozen ``Registration``.
 """
@@ -30,10 +32,10 @@ from vllm_flagcx.connector.counters import Counters
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
 from vllm_flagcx.connector.in_flight import InFlight
 from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
-from vllm_flagcx.connector.peer_credentials import PeerCheck
 from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.registration import Registration
 from vllm_flagcx.connector.sends import Claim, Send, Sends
+from vllm_flagcx.connector.side_channel_gate import Gate, Refused
 from vllm_flagcx.connector.side_channel_writes import SideChannelWrites
 from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.transport.base import Transport
@@ -86,7 +88,7 @@ class SideChannelServer:
         self._sends = sends
         self._counters = counters
         self.parked = ParkedPulls()  # pulls that wait for an arm or a writer (tests cap it)
-        self._peer_check = PeerCheck(authenticated=settings.key is not None)
+        self._gate = Gate(settings.key, counters)  # who may talk, before any payload
         self._writes = SideChannelWrites(settings, transport, registration, sends,
                                          counters, self._post)
         # Writes run on writer threads, never on the side-channel thread (one slow write
@@ -203,51 +205,24 @@ class SideChannelServer:
     def _serve_one(self, sock: Any) -> None:
         """One message from the side channel; nothing a peer sends may end the server
         thread (a malformed frame list or any error is answered or dropped, and counted)."""
-        import zmq
-
-        parts = sock.recv_multipart(copy=False)
-        frames = [p.bytes for p in parts]
-        if len(frames) != 3 or frames[1] != b"":
-            self._counters.add("malformed_messages")
-            return  # not a REQ envelope: nobody to answer
-        ident, _, frame = frames
-        try:
-            fd = int(parts[-1].get(zmq.SRCFD))
-        except (zmq.ZMQError, TypeError, ValueError):
-            fd = None
-        refusal = self._peer_check.refusal(fd)
-        if refusal is not None:  # answered bare, before the payload is looked at
-            self._refuse_peer(sock, ident, refusal)
+        verdict = self._gate.admit(sock.recv_multipart(copy=False), self._zap is not None)
+        if verdict is None:
+            return
+        if isinstance(verdict, Refused):
+            sock.send_multipart([verdict.ident, b"", hs.encode(verdict.reply)])
             return
         try:
-            data = auth.unseal(self._settings.key, frame)
-        except auth.AuthError as exc:  # answered bare: the sender may lack the key
-            refused = self._counters.add("unauthenticated_messages")
-            if refused in (1, 10, 100, 1000):
-                logger.warning("FlagCX side channel: refused %d unauthenticated message(s) "
-                               "so far: %s", refused, exc)
-            sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(str(exc)))])
-            return
-        try:
-            role = curve.role_of(parts[-1]) if self._zap is not None else "decode"
-            reply = self._handle(ident, data, fd, role)
+            reply = self._handle(verdict.ident, verdict.data, verdict.fd, verdict.role)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
             self._counters.add("malformed_messages")
             logger.warning("FlagCX side channel: message refused: %s: %s",
                            type(exc).__name__, exc)
             reply = hs.HandshakeRefused(f"refused: {type(exc).__name__}")
         if reply is not None:
-            sock.send_multipart([ident, b"", self._seal(reply)])
+            sock.send_multipart([verdict.ident, b"", self._seal(reply)])
 
     def _seal(self, message: hs.Message) -> bytes:
         return auth.seal(self._settings.key, hs.encode(message))
-
-    def _refuse_peer(self, sock: Any, ident: bytes, refusal: str) -> None:
-        refused = self._counters.add("refused_peers")
-        if refused in (1, 10, 100, 1000):
-            logger.warning("FlagCX side channel: refused %d message(s) from local peers so "
-                           "far: %s", refused, refusal)
-        sock.send_multipart([ident, b"", hs.encode(hs.HandshakeRefused(refusal))])
 
     def _handle(self, ident: bytes, data: bytes, fd: int | None = None,
                 role: str = "decode") -> hs.Message | None:
@@ -281,9 +256,8 @@ class SideChannelServer:
             if problem:
                 return hs.PullReply(message.transfer_id, False, problem)
             pid = self._transport.peer_pid(message.sheet.transport_desc)
-            refused = self._peer_check.refusal(fd, pid) if pid is not None else None
+            refused = self._gate.pull_refusal(fd, pid) if pid is not None else None
             if refused is not None:
-                self._counters.add("refused_peers")
                 return hs.PullReply(message.transfer_id, False, refused)
             return self._claim_or_park(ident, message, len(data))
         return hs.HandshakeRefused(f"unexpected message {type(message).__name__}")
