@@ -190,7 +190,8 @@ def _breakdown_text(rows: list[dict[str, Any]], serve: dict[str, dict[str, Any]]
     columns.append((f"serve 8/s (n={pd.get('breakdown_requests', 0)})",
                     pd.get("breakdown_ms", {})))
     names = [name for phase, _ in timeline.PHASES
-             for name in (phase, *(d for d, parent, _ in timeline.DETAILS if parent == phase))]
+             for name in (phase, *(d for d, _, parent, _ in timeline.DETAILS
+                                   if parent == phase))]
     names.append("total")
     return report.table(
         "PD time to first byte by phase, median ms (router + decode timelines, one clock); "

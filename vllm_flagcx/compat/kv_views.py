@@ -92,21 +92,28 @@ def crcs_batched(lookups: Sequence[Lookup], read: RangeReader | None = None
     own."""
     if not lookups:
         return []
-    ranges = element_ranges(lookups) if read is not None else None
-    if read is not None and ranges is not None:
-        pieces = iter(read([r for key in ranges for r in key]))
-        crcs = []
-        for key in ranges:
-            crc = 0
-            for _ in key:
-                crc = zlib.crc32(next(pieces), crc)
-            crcs.append(crc)
-        out, at = [], 0
-        for _, _, slots, _ in lookups:
-            out.append(crcs[at:at + len(slots)])
-            at += len(slots)
-        return out
+    if read is not None:
+        ranges = element_ranges(lookups)
+        if ranges is not None:
+            return _crcs_of_ranges(lookups, ranges, read)
     return _crcs_by_torch(lookups)
+
+
+def _crcs_of_ranges(lookups: Sequence[Lookup], ranges: list[list[tuple[int, int]]],
+                    read: RangeReader) -> list[list[int]]:
+    """Every key's ranges read in one call, a crc per key, split back per lookup."""
+    pieces = iter(read([r for key in ranges for r in key]))
+    crcs = []
+    for key in ranges:
+        crc = 0
+        for _ in key:
+            crc = zlib.crc32(next(pieces), crc)
+        crcs.append(crc)
+    out, at = [], 0
+    for _, _, slots, _ in lookups:
+        out.append(crcs[at:at + len(slots)])
+        at += len(slots)
+    return out
 
 
 def _crcs_by_torch(lookups: Sequence[Lookup]) -> list[list[int]]:

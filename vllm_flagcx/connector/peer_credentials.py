@@ -155,14 +155,23 @@ class PeerCheck:
 
     def refusal(self, fd: int | None, declared_pid: int | None = None) -> str | None:
         """Why the message that came in on ``fd`` must be refused, or None."""
+        refused, owner = self.inspect(fd)
+        if refused is not None or declared_pid is None:
+            return refused
+        return self.pid_refusal(owner, declared_pid)
+
+    def inspect(self, fd: int | None) -> tuple[str | None, Owner | None]:
+        """(why the message that came in on ``fd`` must be refused, or None; the owner of
+        the peer's socket where it is a local peer the kernel lists, for ``pid_refusal``
+        of the same message without asking the kernel again)."""
         conn = connection_of(fd) if fd is not None and fd >= 0 else None
         if conn is None:
-            return None if self.authenticated else (
-                "the side channel cannot tell who is connecting (not a TCP connection)")
+            return (None if self.authenticated else (
+                "the side channel cannot tell who is connecting (not a TCP connection)"), None)
         peer, local = conn
         if not is_loopback(peer[0]):
-            return None if self.authenticated else (
-                f"a peer at {peer[0]} on a side channel without a secret")
+            return (None if self.authenticated else (
+                f"a peer at {peer[0]} on a side channel without a secret"), None)
         owner = loopback_owner(peer, local, self.proc)
         if owner is None:
             if not os.path.exists(f"{self.proc}/net/tcp"):
@@ -170,13 +179,18 @@ class PeerCheck:
                     self._no_proc_warned = True
                     logger.warning("FlagCX side channel: no %s/net/tcp here, so local "
                                    "peers' users and processes cannot be checked", self.proc)
-                return None
-            return f"the kernel lists no socket for the peer at {peer[0]}:{peer[1]}"
+                return None, None
+            return f"the kernel lists no socket for the peer at {peer[0]}:{peer[1]}", None
         if not self.authenticated and owner.uid != self.uid:
             return (f"the connecting process runs as uid {owner.uid}: without a secret this "
                     f"side channel serves only uid {self.uid} on this host (set the same "
-                    "secret on prefill, decode and the router to serve other users)")
-        if declared_pid is not None and not self._holds(declared_pid, owner.inode):
+                    "secret on prefill, decode and the router to serve other users)"), owner
+        return None, owner
+
+    def pid_refusal(self, owner: Owner | None, declared_pid: int) -> str | None:
+        """Why a pull from the peer ``inspect`` found (``owner``; None: not a local peer
+        the kernel lists, nothing to check) may not name ``declared_pid``, or None."""
+        if owner is not None and not self._holds(declared_pid, owner.inode):
             return (f"the pull's transport names pid {declared_pid}, but the connection "
                     "comes from another process: a pull may only name its own process")
         return None

@@ -43,9 +43,9 @@ class Puller:
 
     def __init__(self, settings: WorkerSettings, registration: Registration,
                  ledger: FailureLedger, counters: Counters,
-                 observations: Observations, in_flight: InFlight | None = None) -> None:
+                 observations: Observations, in_flight: InFlight) -> None:
         self._settings = settings
-        self._in_flight = in_flight or InFlight()
+        self._in_flight = in_flight  # this worker's pulls, for its idle steps
         self._registration = registration
         self._ledger = ledger
         self._counters = counters

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.peer_credentials import PeerCheck
+from vllm_flagcx.connector.peer_credentials import Owner, PeerCheck
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
 
@@ -27,11 +27,12 @@ _WARN_AT = (1, 10, 100, 1000)  # a refusal kind is logged at these counts, not e
 @dataclass(frozen=True)
 class Admitted:
     """A message that may be handled: its envelope identity, the opened payload, the
-    connection's file descriptor (None where ZMQ does not say) and the sender's role."""
+    owner of the peer's socket (a local peer the kernel lists; else None) and the
+    sender's role."""
 
     ident: bytes
     data: bytes
-    fd: int | None
+    peer: Owner | None
     role: str
 
 
@@ -64,7 +65,7 @@ class Gate:
             fd: int | None = int(parts[-1].get(zmq.SRCFD))
         except (zmq.ZMQError, TypeError, ValueError):
             fd = None
-        refusal = self._peers.refusal(fd)
+        refusal, peer = self._peers.inspect(fd)
         if refusal is not None:  # answered bare, before the payload is looked at
             refused = self._counters.add("refused_peers")
             if refused in _WARN_AT:
@@ -80,12 +81,13 @@ class Gate:
                                "so far: %s", refused, exc)
             return Refused(ident, hs.HandshakeRefused(str(exc)))
         role = curve.role_of(parts[-1]) if curve_on else "decode"
-        return Admitted(ident, data, fd, role)
+        return Admitted(ident, data, peer, role)
 
-    def pull_refusal(self, fd: int | None, pid: int) -> str | None:
+    def pull_refusal(self, peer: Owner | None, pid: int) -> str | None:
         """Why a pull naming process ``pid`` as the write's target must be refused (it
-        is not the process on the other end of the connection), or None."""
-        refused = self._peers.refusal(fd, pid)
+        is not the process on the other end of the connection), or None. ``peer``: what
+        ``admit`` found for the same message (the kernel is not asked again)."""
+        refused = self._peers.pid_refusal(peer, pid)
         if refused is not None:
             self._counters.add("refused_peers")
         return refused

@@ -32,6 +32,7 @@ from vllm_flagcx.connector.counters import Counters
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
 from vllm_flagcx.connector.in_flight import InFlight
 from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
+from vllm_flagcx.connector.peer_credentials import Owner
 from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.registration import Registration
 from vllm_flagcx.connector.sends import Claim, Send, Sends
@@ -80,9 +81,9 @@ class SideChannelServer:
 
     def __init__(self, settings: WorkerSettings, transport: Transport,
                  registration: Registration, sends: Sends, counters: Counters,
-                 in_flight: InFlight | None = None) -> None:
+                 in_flight: InFlight) -> None:
         self._settings = settings
-        self._in_flight = in_flight or InFlight()  # claimed writes, queued or running
+        self._in_flight = in_flight  # claimed writes, queued or running
         self._transport = transport
         self._registration = registration
         self._sends = sends
@@ -212,7 +213,7 @@ class SideChannelServer:
             sock.send_multipart([verdict.ident, b"", hs.encode(verdict.reply)])
             return
         try:
-            reply = self._handle(verdict.ident, verdict.data, verdict.fd, verdict.role)
+            reply = self._handle(verdict.ident, verdict.data, verdict.peer, verdict.role)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
             self._counters.add("malformed_messages")
             logger.warning("FlagCX side channel: message refused: %s: %s",
@@ -224,7 +225,7 @@ class SideChannelServer:
     def _seal(self, message: hs.Message) -> bytes:
         return auth.seal(self._settings.key, hs.encode(message))
 
-    def _handle(self, ident: bytes, data: bytes, fd: int | None = None,
+    def _handle(self, ident: bytes, data: bytes, peer: Owner | None = None,
                 role: str = "decode") -> hs.Message | None:
         try:
             message = hs.decode(data)
@@ -256,7 +257,7 @@ class SideChannelServer:
             if problem:
                 return hs.PullReply(message.transfer_id, False, problem)
             pid = self._transport.peer_pid(message.sheet.transport_desc)
-            refused = self._gate.pull_refusal(fd, pid) if pid is not None else None
+            refused = self._gate.pull_refusal(peer, pid) if pid is not None else None
             if refused is not None:
                 return hs.PullReply(message.transfer_id, False, refused)
             return self._claim_or_park(ident, message, len(data))

@@ -185,14 +185,6 @@ class CudaDriver:
             offset += size
         return pieces
 
-    def read(self, address: int, size: int) -> bytes:
-        """``size`` bytes of device memory at ``address`` (a small synchronous copy)."""
-        self.use_device(self.device_of(address))
-        out = ctypes.create_string_buffer(size)
-        self._check(self.lib.cuMemcpyDtoH_v2(out, ctypes.c_uint64(address),
-                                             ctypes.c_size_t(size)), "cuMemcpyDtoH")
-        return out.raw
-
 
 @functools.lru_cache(maxsize=1)
 def driver() -> CudaDriver | None:

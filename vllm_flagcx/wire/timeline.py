@@ -51,11 +51,12 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("first_token", "decode's step with the last prompt token, its answer -> router"),
 )
 
-# parts of a phase, read where the line has them (older peers' lines lack them): not
-# phases, so the phases still sum to the total; the table shows them under their phase
-DETAILS: tuple[tuple[str, str, str], ...] = (
-    ("prefill_sample.logical", "prefill_sample", "of which the logical sample"),
-    ("verify.bytes", "verify", "of which the byte sample's check"),
+# (detail, the decode line's field, its phase, what it covers): parts of a phase, read
+# where the line has them (older peers' lines lack them); not phases, so the phases still
+# sum to the total; the table shows them under their phase
+DETAILS: tuple[tuple[str, str, str, str], ...] = (
+    ("prefill_sample.logical", "p_logical", "prefill_sample", "of which the logical sample"),
+    ("verify.bytes", "d_bytes_check", "verify", "of which the byte sample's check"),
 )
 
 _LINE = re.compile(rf"{MARK} side=(router|decode) transfer=(\S+)((?: \w+=\S+)*)")
@@ -126,14 +127,8 @@ def breakdown(router: Mapping[str, float], decode: Mapping[str, float]) -> dict[
 
 
 def details(decode: Mapping[str, float]) -> dict[str, float]:
-    """The ``DETAILS`` a decode line has (seconds): prefill's logical-sample part of its
-    sample (``p_logical``), decode's byte-sample part of its check (``d_bytes_check``)."""
-    out = {}
-    if "p_logical" in decode:
-        out["prefill_sample.logical"] = decode["p_logical"]
-    if "d_bytes_check" in decode:
-        out["verify.bytes"] = decode["d_bytes_check"]
-    return out
+    """The ``DETAILS`` a decode line has (seconds)."""
+    return {name: decode[field] for name, field, _, _ in DETAILS if field in decode}
 
 
 def median_breakdown(text: str, since: float = 0.0) -> tuple[dict[str, float], int]:
@@ -162,6 +157,6 @@ def table(medians: Mapping[str, float], count: int) -> str:
         share = f"{100 * value / total:5.1f} %" if total > 0 else "    -"
         rows.append(f"  {phase:<15} {value:9.3f}  {share}  {what}")
         rows += [f"    {name.partition('.')[2]:<13} {medians[name]:9.3f}           {part}"
-                 for name, parent, part in DETAILS if parent == phase and name in medians]
+                 for name, _, parent, part in DETAILS if parent == phase and name in medians]
     rows.append(f"  {'total':<15} {total:9.3f}  (medians of phases need not sum to it)")
     return "\n".join(rows)
