@@ -8,7 +8,10 @@ plan's span hints (``TransferPlan.dst_span``: which peer allocation each descrip
 checked by gathers instead of a binary search per descriptor; issue 27).
 
 At 20,910 descriptors this CPU time is of the order of the H200's copy itself (176 MB at
-~1.7 TB/s is ~0.1 ms), so it bounds B2b's rate there.
+~1.7 TB/s is ~0.1 ms), so it bounds B2b's rate there. Where the batched kernel is built, a
+write of ``BATCH_MIN`` descriptors or more now checks bounds in the kernel instead
+(``LocalTransport._write_checked``); this host pass remains for fewer descriptors, for
+machines without NVRTC and for peers with more regions than the kernel holds.
 
 STAND-IN: ``_DriverStandIn`` replaces the CUDA driver (this runs without a GPU): it
 answers a mapping base per IPC handle and does not copy. B2b times the copy on the GPU.
@@ -38,6 +41,10 @@ class _DriverStandIn:
     def copy_batch(self, device: int, dst: np.ndarray, src: np.ndarray,
                    length: np.ndarray) -> None:
         return None
+
+    def has_kernel(self, device: int) -> bool:
+        """No kernel: the host-checked path, the one this benchmark times."""
+        return False
 
 
 def _pair(allocations: int, n: int) -> tuple[lt.LocalTransport, Any, np.ndarray, np.ndarray,

@@ -51,84 +51,108 @@ def measure(repeats: int = REPEATS) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'descriptors':>11} {'MB':>8} {'IPC ms':>8} {'IPC GB/s':>9} {'us/desc':>8} "
-             f"{'1 memcpy/desc GB/s':>19} {'d2d GB/s':>9} {'ratio':>6} {'checks us':>9} "
-             f"{'driver us':>9} {'device us':>9}"]
+             f"{'host-checked GB/s':>18} {'1 memcpy/desc GB/s':>19} {'d2d GB/s':>9} "
+             f"{'ratio':>6} {'host us':>8} {'driver us':>9} {'device us':>9}"]
     for r in rows:
         lines.append(f"{r['descriptors']:>11} {r['bytes'] / 1e6:>8.1f} {r['ipc_ms']:>8.2f} "
                      f"{r['ipc_GBps']:>9.1f} {r['us_per_descriptor']:>8.2f} "
+                     f"{r.get('host_checked_GBps', 0):>18.1f} "
                      f"{r['memcpy_each_GBps']:>19.1f} {r['d2d_copy_GBps']:>9.1f} "
-                     f"{r['ratio']:>6.3f} {r.get('checks_us', 0):>9.1f} "
+                     f"{r['ratio']:>6.3f} {r.get('checks_us', 0):>8.1f} "
                      f"{r.get('driver_call_us', 0):>9.1f} {r.get('device_us', 0):>9.1f}")
     return "\n".join(lines)
 
 
-def _timed(p, handle, s_addr, d_addr, length, kernel: bool, repeats: int) -> list[float]:
+def _timed(p, handle, s_addr, d_addr, length, kernel: bool, repeats: int,
+           host_checks: bool = False) -> list[float]:
+    """Wall time of whole writes: the batched kernel or one memcpy per descriptor; with
+    ``host_checks`` the kernel path that checks bounds on the host first (the path before
+    the checked kernel, and the one machines without it take)."""
     from vllm_flagcx.transport import cuda_ipc
+    from vllm_flagcx.transport.local import LocalTransport
 
     os.environ[cuda_ipc.BATCHED_ENV] = "1" if kernel else "0"
+    real = LocalTransport._checks_on_device
+    if host_checks:
+        LocalTransport._checks_on_device = lambda *_: False  # type: ignore[method-assign]
     out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        assert p.write(handle, s_addr, d_addr, length).ok
-        out.append(time.perf_counter() - start)
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            assert p.write(handle, s_addr, d_addr, length).ok
+            out.append(time.perf_counter() - start)
+    finally:
+        LocalTransport._checks_on_device = real  # type: ignore[method-assign]
     return out
 
 
-def _mapped(p, handle, s_addr, d_addr, length) -> tuple:
-    """The write up to the driver (checks, IPC mapping; nothing copied): (device ordinal,
-    mapped destinations, sources, lengths) as the driver would get them."""
+def _captured(p, handle, s_addr, d_addr, length) -> tuple:
+    """The write up to the driver (IPC mapping, region table; nothing copied): the
+    arguments ``copy_checked`` would get (device ordinal, peer addresses, sources,
+    lengths, region table, source and destination region counts)."""
     from vllm_flagcx.transport import cuda_ipc
 
-    real = cuda_ipc.CudaDriver.copy_batch
+    real = cuda_ipc.CudaDriver.copy_checked
     captured: dict = {}
 
-    def no_copy(self, ordinal, dst, src, n):
-        captured.update(ordinal=ordinal, parts=(dst.copy(), src.copy(), n.copy()))
+    def no_copy(self, *args):
+        captured["args"] = tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args)
+        return False, False
 
-    cuda_ipc.CudaDriver.copy_batch = no_copy
+    cuda_ipc.CudaDriver.copy_checked = no_copy
     try:
         assert p.write(handle, s_addr, d_addr, length).ok
     finally:
-        cuda_ipc.CudaDriver.copy_batch = real
-    return (captured["ordinal"], *captured["parts"])
+        cuda_ipc.CudaDriver.copy_checked = real
+    return captured["args"]
+
+
+def _device_us(lib, stream, launch, repeats: int) -> float:
+    """Median device time (CUDA events) of what ``launch`` enqueues on ``stream``."""
+    import ctypes
+
+    begin, end = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.cuEventCreate(ctypes.byref(begin), 0)
+    lib.cuEventCreate(ctypes.byref(end), 0)
+    device = []
+    for _ in range(repeats):
+        lib.cuStreamSynchronize(stream)
+        lib.cuEventRecord(begin, stream)
+        launch()
+        lib.cuEventRecord(end, stream)
+        lib.cuStreamSynchronize(stream)
+        ms = ctypes.c_float(0)
+        lib.cuEventElapsedTime(ctypes.byref(ms), begin, end)
+        device.append(ms.value / 1e3)
+    return statistics.median(device) * 1e6
 
 
 def _phases(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
-    """Where one write's time goes (medians, us): the host's checks and IPC mapping (the
-    write with the copy switched off), the driver call (descriptor upload + kernel +
-    stream sync, wall), and the device's own time for upload + kernel (CUDA events)."""
-    import ctypes
-
+    """Where one write's time goes (medians, us): the host's part (the write with the copy
+    switched off: IPC mapping, region table, no pass over the descriptors), the driver
+    call (descriptor upload + checked kernel + stream sync, wall), and the device's own
+    time for upload + kernel (CUDA events around ``run_checked``; on an idle stream the
+    first event fires at once, so the host's staging of the table, ~20 us, counts too, as
+    it did in every earlier B2b run)."""
     from vllm_flagcx.transport import cuda_ipc
 
     cuda = cuda_ipc.driver()
     checks = []
     for _ in range(repeats):
         start = time.perf_counter()
-        args = _mapped(p, handle, s_addr, d_addr, length)
+        args = _captured(p, handle, s_addr, d_addr, length)
         checks.append(time.perf_counter() - start)
     call = []
     for _ in range(repeats):
         start = time.perf_counter()
-        cuda.copy_batch(*args)
+        cuda.copy_checked(*args)
         call.append(time.perf_counter() - start)
-    lib, stream = cuda.lib, cuda._local.stream
     kernel = cuda._kernel(args[0])
-    begin, end = ctypes.c_void_p(), ctypes.c_void_p()
-    lib.cuEventCreate(ctypes.byref(begin), 0)
-    lib.cuEventCreate(ctypes.byref(end), 0)
-    device = []
-    for _ in range(repeats):
-        lib.cuEventRecord(begin, stream)
-        kernel.run(stream, args[1], args[2], args[3])
-        lib.cuEventRecord(end, stream)
-        lib.cuStreamSynchronize(stream)
-        ms = ctypes.c_float(0)
-        lib.cuEventElapsedTime(ctypes.byref(ms), begin, end)
-        device.append(ms.value / 1e3)
     return {"checks_us": statistics.median(checks) * 1e6,
             "driver_call_us": statistics.median(call) * 1e6,
-            "device_us": statistics.median(device) * 1e6}
+            "device_us": _device_us(cuda.lib, cuda._local.stream,
+                                    lambda: kernel.run_checked(cuda._local.stream, *args[1:]),
+                                    repeats)}
 
 
 def _run(conn, desc, d_base, pool, repeats: int) -> dict:
@@ -162,6 +186,7 @@ def _run(conn, desc, d_base, pool, repeats: int) -> dict:
             assert np.array_equal(got[b:b + size], host[a:a + size]), "bytes differ"
         per_desc = _timed(p, handle, s_addr, d_addr, length, False, repeats)  # memcpy each
         times = _timed(p, handle, s_addr, d_addr, length, True, repeats)  # one launch
+        host_checked = _timed(p, handle, s_addr, d_addr, length, True, repeats, True)
         dst_local = torch.empty(n * size, dtype=torch.uint8, device="cuda")
         base_times = []
         for _ in range(repeats):
@@ -178,6 +203,7 @@ def _run(conn, desc, d_base, pool, repeats: int) -> dict:
         rows.append({**phases, "descriptors": n, "bytes": moved, "ipc_ms": med * 1e3,
                      "memcpy_each_GBps": moved / statistics.median(per_desc) / 1e9,
                      "ipc_GBps": moved / med / 1e9, "us_per_descriptor": med / n * 1e6,
+                     "host_checked_GBps": moved / statistics.median(host_checked) / 1e9,
                      "d2d_copy_GBps": moved / base / 1e9, "ratio": base / med,
                      "p99_ms": max(times) * 1e3})
     fingerprint = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -194,37 +220,26 @@ SHAPES = ((256, 8192, 65535), (256, 2048, 65535), (128, 2048, 65535), (256, 8192
 
 
 def _tuning(p, handle, s_addr, d_addr, length, repeats: int) -> dict:
-    """The batched kernel's launch shape on the largest set (threads per block, bytes per
+    """The checked kernel's launch shape on the largest set (threads per block, bytes per
     warp before a descriptor is split over more warps): device time of upload + kernel."""
-    import ctypes
-
     from vllm_flagcx.transport import cuda_ipc, cuda_kernel
 
-    ordinal, mapped, src, n = _mapped(p, handle, s_addr, d_addr, length)
+    args = _captured(p, handle, s_addr, d_addr, length)
     cuda = cuda_ipc.driver()
-    lib, stream = cuda.lib, cuda._local.stream
-    kernel = cuda._kernel(ordinal)
+    stream = cuda._local.stream
+    kernel = cuda._kernel(args[0])
     saved = (cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT,
              cuda_kernel.MAX_GRID_Y)
-    begin, end = ctypes.c_void_p(), ctypes.c_void_p()
-    lib.cuEventCreate(ctypes.byref(begin), 0)
-    lib.cuEventCreate(ctypes.byref(end), 0)
     shapes = []
     try:
         for threads, split_bytes, max_rows in SHAPES:
             cuda_kernel.THREADS, cuda_kernel.WARPS = threads, threads // 32
             cuda_kernel.BYTES_PER_SPLIT, cuda_kernel.MAX_GRID_Y = split_bytes, max_rows
-            device = []
-            for _ in range(repeats):
-                lib.cuEventRecord(begin, stream)
-                kernel.run(stream, mapped, src, n)
-                lib.cuEventRecord(end, stream)
-                lib.cuStreamSynchronize(stream)
-                ms = ctypes.c_float(0)
-                lib.cuEventElapsedTime(ctypes.byref(ms), begin, end)
-                device.append(ms.value / 1e3)
             shapes.append({"threads": threads, "bytes_per_split": split_bytes,
-                           "max_rows": max_rows, "device_us": statistics.median(device) * 1e6})
+                           "max_rows": max_rows,
+                           "device_us": _device_us(
+                               cuda.lib, stream,
+                               lambda: kernel.run_checked(stream, *args[1:]), repeats)})
     finally:
         (cuda_kernel.THREADS, cuda_kernel.WARPS, cuda_kernel.BYTES_PER_SPLIT,
          cuda_kernel.MAX_GRID_Y) = saved

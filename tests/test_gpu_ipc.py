@@ -49,6 +49,92 @@ def test_gpu_bytes_land_across_processes(decode_gpu):
     assert not outside.ok and "outside the GPU memory" in outside.error
 
 
+@pytest.fixture
+def decode_gpu_in_pieces():
+    nbytes = 48 << 20
+    with peers.spawned(peers.gpu_decode_side, nbytes, 3, start_timeout=120, stop="stop") as (
+            conn, (desc, base)):
+        yield conn, desc, base, nbytes
+
+
+def _host_checks_forbidden(monkeypatch):
+    """The checked kernel's path must not fall back on the host's bounds pass."""
+    from vllm_flagcx.transport.address_ranges import RangeTable
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host bounds check ran on the checked-kernel path")
+
+    monkeypatch.setattr(RangeTable, "holds", forbidden)
+    monkeypatch.setattr(RangeTable, "locate", forbidden)
+
+
+def test_the_checked_kernel_maps_each_destination_by_its_region(decode_gpu_in_pieces,
+                                                                   monkeypatch):
+    """16 descriptors over the peer's 3 registered regions and 2 allocations of this
+    process: every block lands where its region's mapping puts it, and the host never
+    searched a range table."""
+    from vllm_flagcx.transport.local import LocalTransport
+
+    conn, desc, d_base, nbytes = decode_gpu_in_pieces
+    block, n = 1 << 16, 16
+    rng = np.random.default_rng(11)
+    halves = [torch.randint(0, 256, (nbytes // 2,), dtype=torch.uint8, device="cuda")
+              for _ in range(2)]
+    p = LocalTransport()
+    for half in halves:
+        p.register(half.data_ptr(), half.numel())
+    handle = p.connect(desc)
+    _host_checks_forbidden(monkeypatch)
+    which = np.arange(n) % 2
+    s_ids = rng.permutation(nbytes // 2 // block)[:n]
+    d_ids = rng.permutation(nbytes // block)[:n]
+    s_addr = np.array([halves[w].data_ptr() + int(i) * block
+                       for w, i in zip(which, s_ids, strict=True)], dtype=np.uint64)
+    result = p.write(handle, s_addr, d_base + d_ids.astype(np.uint64) * np.uint64(block),
+                     np.full(n, block, dtype=np.uint64))
+    assert result.ok, result.error
+    conn.send("bytes")
+    got = np.frombuffer(conn.recv(), dtype=np.uint8).reshape(-1, block)
+    for w, si, di in zip(which.tolist(), s_ids.tolist(), d_ids.tolist(), strict=True):
+        np.testing.assert_array_equal(got[di], halves[w].cpu().numpy().reshape(-1, block)[si])
+
+
+@pytest.mark.parametrize("bad", ["destination past the end", "destination across pieces",
+                                 "length that wraps", "source outside"])
+def test_the_checked_kernel_refuses_a_descriptor_outside(decode_gpu_in_pieces, monkeypatch,
+                                                         bad):
+    from vllm_flagcx.transport.local import LocalTransport
+
+    _, desc, d_base, nbytes = decode_gpu_in_pieces
+    block, n = 4096, 32
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    p = LocalTransport()
+    p.register(src.data_ptr(), nbytes)
+    handle = p.connect(desc)
+    _host_checks_forbidden(monkeypatch)
+    s_addr = src.data_ptr() + np.arange(n, dtype=np.uint64) * np.uint64(block)
+    d_addr = d_base + np.arange(n, dtype=np.uint64) * np.uint64(block)
+    length = np.full(n, block, dtype=np.uint64)
+    piece = nbytes // 3
+    if bad == "destination past the end":
+        d_addr[n // 2] = d_base + nbytes - block // 2
+    elif bad == "destination across pieces":
+        d_addr[n // 2] = d_base + piece - block // 2
+    elif bad == "length that wraps":
+        length[n // 2] = np.uint64((1 << 64) - 16)
+    else:
+        s_addr[n // 2] = src.data_ptr() + nbytes
+    result = p.write(handle, s_addr, d_addr, length)
+    assert not result.ok
+    # a wrapped length lies outside both sides; the source is named first
+    side = {"source outside": "source outside",
+            "length that wraps": "source outside"}.get(bad, "outside the GPU memory")
+    assert side in result.error, result.error
+    # the same batch without the bad descriptor goes through
+    keep = np.arange(n) != n // 2
+    assert p.write(handle, s_addr[keep], d_addr[keep], length[keep]).ok
+
+
 def _write_and_fetch(decode_gpu, src, s_addr, d_addr, length):
     from vllm_flagcx.transport.local import LocalTransport
 

@@ -2,9 +2,11 @@
 peer allocation once, and mapping peer addresses into this process's IPC mappings.
 
 STAND-IN: ``_DriverStandIn`` replaces the CUDA driver (no GPU here): ``open`` answers a
-made-up mapping base per IPC handle and ``copy_batch`` records what it was asked to copy.
-The copy itself runs on the H200 (tests/test_gpu_ipc.py); what is checked here is every
-address it would be given.
+made-up mapping base per IPC handle, ``copy_batch`` records what it was asked to copy, and
+``copy_checked`` (the kernel that checks bounds on the device, when ``kernel`` is set)
+records its region table and answers the refusal words it is told to. The copies and the
+kernel's checks run on the GPU machine (tests/test_gpu_ipc.py); what is checked here is
+every address and region the device would be given.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_flagcx.transport import cuda_ipc
+from vllm_flagcx.transport import cuda_ipc, cuda_kernel
 from vllm_flagcx.transport import local as lt
 
 MAPPED = {b"h0": 0x7000_0000_0000, b"h1": 0x7100_0000_0000}
@@ -27,9 +29,21 @@ class _DriverStandIn:
         self.opened.append(handle)
         return MAPPED[handle]
 
+    kernel = False
+    refused = (False, False)
+
     def copy_batch(self, device: int, dst: np.ndarray, src: np.ndarray,
                    length: np.ndarray) -> None:
         self.copies.append((dst.copy(), src.copy(), length.copy()))
+
+    def has_kernel(self, device: int) -> bool:
+        return self.kernel
+
+    def copy_checked(self, device: int, dst: np.ndarray, src: np.ndarray, length: np.ndarray,
+                     regions: np.ndarray, sources: int, destinations: int
+                     ) -> tuple[bool, bool]:
+        self.checked = (dst.copy(), regions.copy(), sources, destinations)
+        return self.refused
 
 
 @pytest.fixture
@@ -89,3 +103,72 @@ def test_a_source_outside_this_process_is_refused(pair):
     result = me._write_device(peer, _u64([0x1010_0000]), _u64([0x2000_0000]), _u64([1]))
     assert not result.ok and "source outside" in result.error
     assert not driver.copies
+
+
+def _many():
+    """``BATCH_MIN`` descriptors into the peer's first allocation."""
+    n = cuda_ipc.BATCH_MIN
+    src = _u64([0x1000_0000 + 64 * k for k in range(n)])
+    dst = _u64([0x2000_0000 + 64 * k for k in range(n)])
+    return src, dst, _u64([64] * n)
+
+
+def test_many_descriptors_go_to_the_checked_kernel_with_every_region(pair):
+    me, peer, driver = pair
+    driver.kernel = True
+    src, dst, n = _many()
+    for _ in range(2):
+        result = me._write_device(peer, src, dst, n)
+        assert result.ok and result.num_bytes == int(n.sum())
+    assert sorted(driver.opened) == [b"h0", b"h1", b"h1"]  # every allocation, once
+    assert not driver.copies  # the host-checked copy was not used
+    sent, regions, sources, destinations = driver.checked
+    assert sent.tolist() == dst.tolist()  # peer addresses: the kernel maps them
+    assert (sources, destinations) == (1, 3)
+    lo, hi = regions[:1], regions[1:2]
+    assert (lo.tolist(), hi.tolist()) == ([0x1000_0000], [0x1000_0000 + (1 << 20)])
+    d = regions[2:].reshape(3, 3)  # dst lo, dst hi, delta per region
+    assert d[0].tolist() == [0x2000_0000, 0x3000_1000, 0x3001_1000]
+    assert d[1].tolist() == [0x2010_0000, 0x3001_1000, 0x3002_1000]
+    assert d[2].tolist() == [MAPPED[b"h0"] - 0x2000_0000, MAPPED[b"h1"] - 0x3000_0000,
+                             MAPPED[b"h1"] - 0x3000_0000]
+
+
+@pytest.mark.parametrize("refused,names", [((True, False), "source outside"),
+                                           ((False, True), "destination outside"),
+                                           ((True, True), "source outside")])
+def test_the_kernels_refusal_fails_the_write_by_side(pair, refused, names):
+    me, peer, driver = pair
+    driver.kernel, driver.refused = True, refused
+    result = me._write_device(peer, *_many())
+    assert not result.ok and names in result.error
+
+
+def test_few_descriptors_or_no_kernel_keep_the_host_checks(pair):
+    me, peer, driver = pair
+    src, dst, n = _many()
+    assert me._write_device(peer, src, dst, n).ok  # kernel unavailable
+    driver.kernel = True
+    assert me._write_device(peer, src[:2], dst[:2], n[:2]).ok  # below BATCH_MIN
+    assert len(driver.copies) == 2 and not hasattr(driver, "checked")
+    outside = dst.copy()
+    outside[3] = 0x2010_0000
+    driver.kernel = False
+    result = me._write_device(peer, src, outside, n)
+    assert not result.ok and "destination outside" in result.error
+
+
+def test_more_regions_than_the_kernel_holds_keep_the_host_checks(pair, monkeypatch):
+    me, peer, driver = pair
+    driver.kernel = True
+    monkeypatch.setattr(cuda_kernel, "MAX_REGIONS", 2)  # the peer has 3
+    assert me._write_device(peer, *_many()).ok
+    assert len(driver.copies) == 1 and not hasattr(driver, "checked")
+
+
+def test_the_region_table_is_laid_out_as_the_kernel_reads_it():
+    table = cuda_kernel.region_table(_u64([[1, 2], [3, 4]]), _u64([[10, 20, 7]]))
+    assert table.tolist() == [1, 3, 2, 4, 10, 20, 7]
+    with pytest.raises(ValueError, match="at most"):
+        cuda_kernel.region_table(np.zeros((cuda_kernel.MAX_REGIONS + 1, 2), np.uint64),
+                                 np.zeros((1, 3), np.uint64))

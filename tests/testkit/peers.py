@@ -37,15 +37,19 @@ def decode_side(conn: Any, size: int, kind: str = "local", library: str | None =
     transport.close()
 
 
-def gpu_decode_side(conn: Any, nbytes: int) -> None:
-    """The same with a CUDA buffer; serves "bytes" requests until "stop"."""
+def gpu_decode_side(conn: Any, nbytes: int, pieces: int = 1) -> None:
+    """The same with a CUDA buffer, registered in ``pieces`` equal ranges (several regions
+    for the writer to tell apart); serves "bytes" requests until "stop"."""
     import torch
 
     from vllm_flagcx.transport.local import LocalTransport
 
     buf = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     transport = LocalTransport()
-    transport.register(buf.data_ptr(), nbytes)
+    piece = nbytes // pieces
+    for k in range(pieces):
+        transport.register(buf.data_ptr() + k * piece, piece if k < pieces - 1
+                           else nbytes - k * piece)
     conn.send((transport.describe(), buf.data_ptr()))
     while (command := conn.recv()) != "stop":
         torch.cuda.synchronize()

@@ -25,11 +25,33 @@ from typing import Any
 import numpy as np
 
 KERNEL_NAME = b"vllm_flagcx_batched_copy"
+CHECKED_KERNEL_NAME = b"vllm_flagcx_checked_copy"
 KERNEL_SOURCE = rb"""
 // One warp per descriptor (blockIdx.y and the warp index walk the descriptors), split over
 // blockIdx.x when long: a KV block of a few KiB is a few loads per lane, not a whole block
 // of 256 threads that mostly idles. Four independent 16-byte loads are issued before
 // their stores, so every lane keeps four requests in flight.
+#define MAX_REGIONS 256
+
+__device__ __forceinline__ void copy_bytes(unsigned long long out, unsigned long long in,
+    unsigned long long bytes, unsigned long long lane, unsigned long long lanes) {
+  if (((out | in | bytes) & 15ULL) == 0) {
+    uint4* o = (uint4*)out;
+    const uint4* i = (const uint4*)in;
+    const unsigned long long words = bytes >> 4;
+    unsigned long long w = lane;
+    for (; w + 3 * lanes < words; w += 4 * lanes) {
+      const uint4 a = i[w], b = i[w + lanes], c = i[w + 2 * lanes], e = i[w + 3 * lanes];
+      o[w] = a; o[w + lanes] = b; o[w + 2 * lanes] = c; o[w + 3 * lanes] = e;
+    }
+    for (; w < words; w += lanes) o[w] = i[w];
+  } else {
+    char* o = (char*)out;
+    const char* i = (const char*)in;
+    for (unsigned long long b = lane; b < bytes; b += lanes) o[b] = i[b];
+  }
+}
+
 extern "C" __global__ void vllm_flagcx_batched_copy(
     const unsigned long long* __restrict__ table, unsigned long long n) {
   const unsigned long long* dst = table;
@@ -40,23 +62,66 @@ extern "C" __global__ void vllm_flagcx_batched_copy(
   const unsigned long long lanes = (unsigned long long)gridDim.x * 32;
   const unsigned long long step = (unsigned long long)gridDim.y * warps;
   for (unsigned long long d = (unsigned long long)blockIdx.y * warps + (threadIdx.x >> 5);
+       d < n; d += step)
+    copy_bytes(dst[d], src[d], len[d], lane, lanes);
+}
+
+// The region (of `count`, in shared memory) holding [start, start + bytes) whole, or -1;
+// an end that wraps past 2**64 is held by none. Warp-uniform: every lane of the warp asks
+// about the same descriptor and tests 32 regions at once (one ballot per 32 regions).
+__device__ __forceinline__ int region_of(unsigned long long start, unsigned long long bytes,
+    const unsigned long long* lo, const unsigned long long* hi, unsigned count) {
+  const unsigned long long end = start + bytes;
+  if (end < start) return -1;
+  for (unsigned base = 0; base < count; base += 32) {
+    const unsigned r = base + (threadIdx.x & 31);
+    const unsigned hits = __ballot_sync(0xffffffffu, r < count && lo[r] <= start && end <= hi[r]);
+    if (hits) return (int)(base + __ffs(hits) - 1);
+  }
+  return -1;
+}
+
+// The write of addresses that crossed a process boundary: every descriptor's source must
+// lie whole in one of this process's registered regions and its destination in one of the
+// peer's, checked here before it is copied (no host pass over the descriptors); the
+// destination is the peer's address plus that region's mapping delta (mod 2**64). A
+// descriptor outside is not copied and raises refused[0] (source) or refused[1]
+// (destination), which the host reads after the stream synchronises and turns into a
+// failed write. regions: src lo[ns], src hi[ns], dst lo[nd], dst hi[nd], dst delta[nd].
+extern "C" __global__ void vllm_flagcx_checked_copy(
+    const unsigned long long* __restrict__ table, unsigned long long n,
+    const unsigned long long* __restrict__ regions, unsigned ns, unsigned nd,
+    unsigned* __restrict__ refused) {
+  __shared__ unsigned long long s_lo[MAX_REGIONS], s_hi[MAX_REGIONS];
+  __shared__ unsigned long long d_lo[MAX_REGIONS], d_hi[MAX_REGIONS], d_delta[MAX_REGIONS];
+  for (unsigned k = threadIdx.x; k < ns; k += blockDim.x) {
+    s_lo[k] = regions[k]; s_hi[k] = regions[ns + k];
+  }
+  for (unsigned k = threadIdx.x; k < nd; k += blockDim.x) {
+    d_lo[k] = regions[2 * ns + k]; d_hi[k] = regions[2 * ns + nd + k];
+    d_delta[k] = regions[2 * ns + 2 * nd + k];
+  }
+  __syncthreads();
+  const unsigned long long* dst = table;
+  const unsigned long long* src = table + n;
+  const unsigned long long* len = table + 2 * n;
+  const unsigned warps = blockDim.x >> 5;
+  const unsigned long long lane = (unsigned long long)blockIdx.x * 32 + (threadIdx.x & 31);
+  const unsigned long long lanes = (unsigned long long)gridDim.x * 32;
+  const unsigned long long step = (unsigned long long)gridDim.y * warps;
+  for (unsigned long long d = (unsigned long long)blockIdx.y * warps + (threadIdx.x >> 5);
        d < n; d += step) {
     const unsigned long long out = dst[d], in = src[d], bytes = len[d];
-    if (((out | in | bytes) & 15ULL) == 0) {
-      uint4* o = (uint4*)out;
-      const uint4* i = (const uint4*)in;
-      const unsigned long long words = bytes >> 4;
-      unsigned long long w = lane;
-      for (; w + 3 * lanes < words; w += 4 * lanes) {
-        const uint4 a = i[w], b = i[w + lanes], c = i[w + 2 * lanes], e = i[w + 3 * lanes];
-        o[w] = a; o[w + lanes] = b; o[w + 2 * lanes] = c; o[w + 3 * lanes] = e;
+    const int s = region_of(in, bytes, s_lo, s_hi, ns);
+    const int k = region_of(out, bytes, d_lo, d_hi, nd);
+    if (s < 0 || k < 0) {
+      if ((threadIdx.x & 31) == 0 && blockIdx.x == 0) {
+        if (s < 0) refused[0] = 1;
+        if (k < 0) refused[1] = 1;
       }
-      for (; w < words; w += lanes) o[w] = i[w];
-    } else {
-      char* o = (char*)out;
-      const char* i = (const char*)in;
-      for (unsigned long long b = lane; b < bytes; b += lanes) o[b] = i[b];
+      continue;
     }
+    copy_bytes(out + d_delta[k], in, bytes, lane, lanes);
   }
 }
 """
@@ -65,6 +130,9 @@ WARPS = THREADS // 32  # descriptors one block works on at once
 BYTES_PER_SPLIT = 32 * 4 * 16 * 4  # one warp: 32 lanes x 4 in flight x 16 B, 4 rounds
 MAX_SPLIT = 64  # warps per descriptor at most (blockIdx.x)
 MAX_GRID_Y = 65535
+MAX_REGIONS = 256  # registered regions per side the checked kernel holds (its MAX_REGIONS)
+SOURCE_OUTSIDE, DESTINATION_OUTSIDE = 0, 1  # the checked kernel's refusal words
+CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
@@ -128,6 +196,20 @@ def launch_shape(n: int, longest: int) -> tuple[int, int]:
     return split, max(1, min(-(-n // WARPS), MAX_GRID_Y))
 
 
+def region_table(sources: np.ndarray, destinations: np.ndarray) -> np.ndarray:
+    """The checked kernel's region table: ``sources`` is (k, 2) [lo, hi) of this process's
+    registered device regions, ``destinations`` (m, 3) [lo, hi, delta) of the peer's, delta
+    what to add (mod 2**64) to a peer address to reach this process's mapping of it.
+    Laid out as the kernel reads it: src lo, src hi, dst lo, dst hi, dst delta."""
+    sources = np.asarray(sources, dtype=np.uint64).reshape(-1, 2)
+    destinations = np.asarray(destinations, dtype=np.uint64).reshape(-1, 3)
+    if len(sources) > MAX_REGIONS or len(destinations) > MAX_REGIONS:
+        raise ValueError(f"the checked copy holds at most {MAX_REGIONS} regions per side "
+                         f"(got {len(sources)} sources, {len(destinations)} destinations)")
+    return np.concatenate([sources[:, 0], sources[:, 1], destinations[:, 0],
+                           destinations[:, 1], destinations[:, 2]])
+
+
 class BatchedCopy:
     """The compiled kernel for one device plus a per-thread device descriptor table.
 
@@ -150,6 +232,9 @@ class BatchedCopy:
         check(lib.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
         check(lib.cuModuleGetFunction(ctypes.byref(self._function), self._module,
                                       KERNEL_NAME), "cuModuleGetFunction")
+        self._checked = ctypes.c_void_p()
+        check(lib.cuModuleGetFunction(ctypes.byref(self._checked), self._module,
+                                      CHECKED_KERNEL_NAME), "cuModuleGetFunction")
         self._local = threading.local()
 
     def _grown(self, name: str, nbytes: int, alloc: Any, free: Any) -> int:
@@ -178,6 +263,23 @@ class BatchedCopy:
         self._check(self._lib.cuMemHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(capacity), 0),
                     "cuMemHostAlloc (batched copy buffer)")
         return int(ptr.value or 0)
+
+    def _mapped_alloc(self, capacity: int) -> int:
+        """Page-locked host memory the device writes into (the checked kernel's refusal
+        words), as its device address; host and device addresses agree under unified
+        addressing (64-bit Linux), which ``_refusals`` relies on and this checks."""
+        host = ctypes.c_void_p(0)
+        self._check(self._lib.cuMemHostAlloc(ctypes.byref(host), ctypes.c_size_t(capacity),
+                                             CU_MEMHOSTALLOC_DEVICEMAP),
+                    "cuMemHostAlloc (refusal words)")
+        device = ctypes.c_uint64(0)
+        self._check(self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, 0),
+                    "cuMemHostGetDevicePointer")
+        if device.value != (host.value or 0):
+            self._lib.cuMemFreeHost(host)
+            raise KernelUnavailable("mapped host memory has another device address (no "
+                                    "unified addressing)")
+        return int(host.value or 0)
 
     def _host_free(self, address: int) -> None:
         self._lib.cuMemFreeHost(ctypes.c_void_p(address))
@@ -212,6 +314,42 @@ class BatchedCopy:
                     "cuMemcpyDtoHAsync (gathered ranges)")
         self._check(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
         return ctypes.string_at(landing, total)
+
+    def _refusals(self) -> np.ndarray:
+        """This thread's two refusal words (source, destination), zeroed."""
+        address = self._grown("refusals", 8, self._mapped_alloc, self._host_free)
+        words = np.ctypeslib.as_array((ctypes.c_uint32 * 2).from_address(address))
+        words[:] = 0
+        return words
+
+    def run_checked(self, stream: ctypes.c_void_p, dst: np.ndarray, src: np.ndarray,
+                    length: np.ndarray, regions: np.ndarray, sources: int,
+                    destinations: int) -> np.ndarray:
+        """Enqueue the checked copy of peer addresses ``dst`` (see the kernel) on
+        ``stream``; the answer is the two refusal words, to read only after the caller
+        synchronised the stream (non-zero: that side had a descriptor outside its regions,
+        and that descriptor was not copied). ``regions`` is ``region_table``'s."""
+        n = int(dst.size)
+        r = int(regions.size)
+        host = self._staging(r + 3 * n)
+        host[:r] = regions
+        host[r:r + n], host[r + n:r + 2 * n], host[r + 2 * n:] = dst, src, length
+        table = self._table(host.nbytes)
+        self._check(self._lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(table),
+                                                   ctypes.c_void_p(host.ctypes.data),
+                                                   ctypes.c_size_t(host.nbytes), stream),
+                    "cuMemcpyHtoDAsync (descriptor table)")
+        refused = self._refusals()
+        split, rows = launch_shape(n, int(length.max()))
+        args = (ctypes.c_uint64(table + 8 * r), ctypes.c_uint64(n), ctypes.c_uint64(table),
+                ctypes.c_uint32(sources), ctypes.c_uint32(destinations),
+                ctypes.c_uint64(refused.ctypes.data))
+        params = (ctypes.c_void_p * len(args))(
+            *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
+        self._check(self._lib.cuLaunchKernel(self._checked, split, rows, 1, THREADS, 1, 1,
+                                             0, stream, params, None),
+                    "cuLaunchKernel (checked copy)")
+        return refused
 
     def run(self, stream: ctypes.c_void_p, dst: np.ndarray, src: np.ndarray,
             length: np.ndarray) -> None:

@@ -19,10 +19,16 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from vllm_flagcx.transport import cuda_ipc, cuda_kernel
 from vllm_flagcx.transport.address_ranges import OUTSIDE, RangeTable
 from vllm_flagcx.transport.base import Transport, TransportError, WriteResult
 
 IOV_MAX = 1024
+_SOURCE_OUTSIDE = "source outside this process's registered GPU memory"
+
+
+def _destination_outside(pid: int) -> str:
+    return f"destination outside the GPU memory pid {pid} registered"
 
 
 class _IoVec(ctypes.Structure):
@@ -70,6 +76,8 @@ class _Peer:
     device_table: RangeTable = field(init=False)
     deltas: np.ndarray = field(init=False)
     opened: np.ndarray = field(init=False)
+    # the checked kernel's region table, with the local device table it was built from
+    kernel_regions: tuple[RangeTable, np.ndarray] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.table = RangeTable(self.ranges)
@@ -105,8 +113,6 @@ class LocalTransport(Transport):
     def register(self, address: int, size: int) -> None:
         if address <= 0 or size <= 0:
             raise TransportError(f"register({address:#x}, {size}): address and size must be > 0")
-        from vllm_flagcx.transport import cuda_ipc
-
         try:
             device = cuda_ipc.describe_device(address, size)
         except cuda_ipc.CudaError as exc:
@@ -168,34 +174,78 @@ class LocalTransport(Transport):
                       length: np.ndarray, src_hint: np.ndarray | None = None,
                       dst_hint: np.ndarray | None = None) -> WriteResult:
         """Device-to-device copies into the peer's IPC-mapped memory."""
-        from vllm_flagcx.transport import cuda_ipc
-
         cuda = cuda_ipc.driver()
         if cuda is None:
             return WriteResult(False, "device memory registered, but no CUDA driver loads "
                                       "in this process")
+        if self._checks_on_device(cuda, peer, src.size):
+            return self._write_checked(cuda, peer, src, dst, length)
         if not self._device_table.holds(src, length, src_hint):
-            return WriteResult(False, "source outside this process's registered GPU memory")
+            return WriteResult(False, _SOURCE_OUTSIDE)
         # an int: one allocation holds all; else the plan's span hints where right
         where = peer.device_table.locate(dst, length, dst_hint)
         if not isinstance(where, int) and np.any(where == OUTSIDE):
-            return WriteResult(False, f"destination outside the GPU memory pid {peer.pid} "
-                                      "registered")
-        deltas, opened = peer.deltas, peer.opened
+            return WriteResult(False, _destination_outside(peer.pid))
         try:
-            if not opened.all():  # open each range this batch writes, once per peer
-                needed = np.bincount(np.atleast_1d(where), minlength=len(opened)) > 0
-                for k in np.flatnonzero(needed & ~opened):
-                    r = peer.device_ranges[k]
-                    local = cuda.open(r.handle, self.device_ranges[0].device)
-                    deltas[k] = np.uint64((local - r.base) % (1 << 64))
-                    opened[k] = True
+            if not peer.opened.all():  # open each range this batch writes, once per peer
+                self._open(cuda, peer, np.bincount(np.atleast_1d(where),
+                                                   minlength=len(peer.opened)) > 0)
             # wraps mod 2**64: peer address - allocation base + this process's mapping
-            mapped = dst + deltas[where]
+            mapped = dst + peer.deltas[where]
             cuda.copy_batch(self.device_ranges[0].device, mapped, src, length)
         except cuda_ipc.CudaError as exc:
             return WriteResult(False, f"CUDA IPC write into pid {peer.pid} failed: {exc}")
         return WriteResult(True, "", int(length.sum()))
+
+    def _checks_on_device(self, cuda: cuda_ipc.CudaDriver, peer: _Peer, n: int) -> bool:
+        """Many descriptors, regions the kernel can hold, and the kernel built: the
+        bounds checks run in the copy kernel (``_write_checked``), not on the host."""
+        return (n >= cuda_ipc.BATCH_MIN
+                and len(self.device_ranges) <= cuda_kernel.MAX_REGIONS
+                and len(peer.device_ranges) <= cuda_kernel.MAX_REGIONS
+                and cuda.has_kernel(self.device_ranges[0].device))
+
+    def _write_checked(self, cuda: cuda_ipc.CudaDriver, peer: _Peer, src: np.ndarray,
+                       dst: np.ndarray, length: np.ndarray) -> WriteResult:
+        """One checked kernel launch: each descriptor's source is checked against this
+        process's registered regions and its destination against the peer's, on the
+        device, before it is copied; no host pass over the descriptors. Every peer
+        allocation is opened first (once per peer), so the kernel can map any of them."""
+        try:
+            if not peer.opened.all():
+                self._open(cuda, peer, np.ones(len(peer.opened), bool))
+            regions = self._regions_for(peer)
+            source_out, destination_out = cuda.copy_checked(
+                self.device_ranges[0].device, dst, src, length, regions,
+                len(self.device_ranges), len(peer.device_ranges))
+        except cuda_ipc.CudaError as exc:
+            return WriteResult(False, f"CUDA IPC write into pid {peer.pid} failed: {exc}")
+        if source_out:
+            return WriteResult(False, _SOURCE_OUTSIDE)
+        if destination_out:
+            return WriteResult(False, _destination_outside(peer.pid))
+        return WriteResult(True, "", int(length.sum()))
+
+    def _regions_for(self, peer: _Peer) -> np.ndarray:
+        """The checked kernel's region table for writes to ``peer`` (built once per peer
+        and per set of local registrations)."""
+        if peer.kernel_regions is None or peer.kernel_regions[0] is not self._device_table:
+            sources = [(r.addr, r.addr + r.size) for r in self.device_ranges]
+            destinations = [(r.addr, r.addr + r.size, int(delta))
+                            for r, delta in zip(peer.device_ranges, peer.deltas, strict=True)]
+            peer.kernel_regions = (self._device_table,
+                                   cuda_kernel.region_table(np.array(sources, np.uint64),
+                                                            np.array(destinations, np.uint64)))
+        return peer.kernel_regions[1]
+
+    def _open(self, cuda: cuda_ipc.CudaDriver, peer: _Peer, needed: np.ndarray) -> None:
+        """Open each peer allocation in ``needed`` not opened yet (once per peer), and
+        note what to add to its peer addresses to reach this process's mapping."""
+        for k in np.flatnonzero(needed & ~peer.opened):
+            r = peer.device_ranges[k]
+            local = cuda.open(r.handle, self.device_ranges[0].device)
+            peer.deltas[k] = np.uint64((local - r.base) % (1 << 64))
+            peer.opened[k] = True
 
     def _write_chunk(self, pid: int, src: np.ndarray, dst: np.ndarray,
                      length: np.ndarray) -> WriteResult:
