@@ -158,6 +158,14 @@ def test_few_descriptors_or_no_kernel_keep_the_host_checks(pair):
     assert not result.ok and "destination outside" in result.error
 
 
+def test_the_device_checks_switch_keeps_the_host_checks(pair, monkeypatch):
+    me, peer, driver = pair
+    driver.kernel = True
+    monkeypatch.setenv(cuda_ipc.DEVICE_CHECKS_ENV, "0")
+    assert me._write_device(peer, *_many()).ok
+    assert len(driver.copies) == 1 and not hasattr(driver, "checked")
+
+
 def test_more_regions_than_the_kernel_holds_keep_the_host_checks(pair, monkeypatch):
     me, peer, driver = pair
     driver.kernel = True

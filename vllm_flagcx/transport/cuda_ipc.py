@@ -31,6 +31,9 @@ CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 IPC_HANDLE_BYTES = 64
 BATCH_MIN = 8  # from this many descriptors on, one batched kernel launch
 BATCHED_ENV = "VLLM_FLAGCX_CUDA_BATCHED_COPY"  # "0": one memcpy per descriptor
+# "0": bounds checks on the host before the batched copy, not in the kernel (an A/B switch
+# and an escape hatch; both refuse the same descriptors)
+DEVICE_CHECKS_ENV = "VLLM_FLAGCX_CUDA_DEVICE_CHECKS"
 
 
 class CudaError(RuntimeError):

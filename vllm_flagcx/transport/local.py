@@ -201,6 +201,7 @@ class LocalTransport(Transport):
         """Many descriptors, regions the kernel can hold, and the kernel built: the
         bounds checks run in the copy kernel (``_write_checked``), not on the host."""
         return (n >= cuda_ipc.BATCH_MIN
+                and os.environ.get(cuda_ipc.DEVICE_CHECKS_ENV, "1") != "0"
                 and len(self.device_ranges) <= cuda_kernel.MAX_REGIONS
                 and len(peer.device_ranges) <= cuda_kernel.MAX_REGIONS
                 and cuda.has_kernel(self.device_ranges[0].device))
