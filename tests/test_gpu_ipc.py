@@ -276,3 +276,30 @@ def test_a_range_over_two_allocations_is_exported_per_allocation():
     assert [p["base"] for p in pieces] == [base_first, base_first + len_first]
     assert sum(p["size"] for p in pieces) == end - start
     assert pieces[0]["handle"] != pieces[1]["handle"]
+
+
+def test_the_checked_kernel_refuses_more_regions_than_it_holds():
+    """A region count above MAX_REGIONS (``region_table`` never builds one) is refused by
+    the kernel itself, before it touches shared memory, and nothing is copied."""
+    from vllm_flagcx.transport import cuda_ipc, cuda_kernel
+
+    src = torch.randint(1, 256, (1 << 16,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    cuda = cuda_ipc.driver()
+    ordinal = torch.cuda.current_device()
+    assert cuda.has_kernel(ordinal)
+    n = 16
+    d_addr = dst.data_ptr() + np.arange(n, dtype=np.uint64) * np.uint64(4096)
+    s_addr = src.data_ptr() + np.arange(n, dtype=np.uint64) * np.uint64(4096)
+    length = np.full(n, 4096, dtype=np.uint64)
+    regions = cuda_kernel.region_table(
+        np.array([[src.data_ptr(), src.data_ptr() + src.numel()]], np.uint64),
+        np.array([[dst.data_ptr(), dst.data_ptr() + dst.numel(), 0]], np.uint64))
+    assert cuda.copy_checked(ordinal, d_addr, s_addr, length, regions, 1, 1) == (False, False)
+    assert torch.equal(dst, src)  # the same call within bounds copies everything
+    dst.zero_()
+    too_many = cuda_kernel.MAX_REGIONS + 1
+    assert cuda.copy_checked(ordinal, d_addr, s_addr, length, regions, too_many, 1) == (
+        True, True)
+    torch.cuda.synchronize()
+    assert not dst.any()

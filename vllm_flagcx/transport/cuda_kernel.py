@@ -30,8 +30,8 @@ KERNEL_SOURCE = rb"""
 // One warp per descriptor (blockIdx.y and the warp index walk the descriptors), split over
 // blockIdx.x when long: a KV block of a few KiB is a few loads per lane, not a whole block
 // of 256 threads that mostly idles. Four independent 16-byte loads are issued before
-// their stores, so every lane keeps four requests in flight.
-#define MAX_REGIONS 256
+// their stores, so every lane keeps four requests in flight. MAX_REGIONS comes from the
+// Python constant of that name (an NVRTC -D option), so the two cannot disagree.
 
 __device__ __forceinline__ void copy_bytes(unsigned long long out, unsigned long long in,
     unsigned long long bytes, unsigned long long lane, unsigned long long lanes) {
@@ -94,6 +94,10 @@ extern "C" __global__ void vllm_flagcx_checked_copy(
     unsigned* __restrict__ refused) {
   __shared__ unsigned long long s_lo[MAX_REGIONS], s_hi[MAX_REGIONS];
   __shared__ unsigned long long d_lo[MAX_REGIONS], d_hi[MAX_REGIONS], d_delta[MAX_REGIONS];
+  if (ns > MAX_REGIONS || nd > MAX_REGIONS) {  // never from region_table; refuse, copy none
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) refused[0] = refused[1] = 1;
+    return;
+  }
   for (unsigned k = threadIdx.x; k < ns; k += blockDim.x) {
     s_lo[k] = regions[k]; s_hi[k] = regions[ns + k];
   }
@@ -167,9 +171,9 @@ def compile_cubin(nvrtc: ctypes.CDLL, major: int, minor: int) -> bytes:
     if rc != 0:
         raise KernelUnavailable(f"nvrtcCreateProgram failed ({rc})")
     try:
-        options = (ctypes.c_char_p * 2)(f"--gpu-architecture=sm_{major}{minor}".encode(),
-                                        b"--std=c++14")
-        rc = nvrtc.nvrtcCompileProgram(prog, 2, options)
+        options = (ctypes.c_char_p * 3)(f"--gpu-architecture=sm_{major}{minor}".encode(),
+                                        b"--std=c++14", f"-DMAX_REGIONS={MAX_REGIONS}".encode())
+        rc = nvrtc.nvrtcCompileProgram(prog, 3, options)
         if rc != 0:
             size = ctypes.c_size_t(0)
             nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
