@@ -9,6 +9,7 @@ import json
 import threading
 
 import httpx
+import pytest
 from testkit import router_standin as rs
 from testkit.router_standin import BODY, router
 
@@ -43,7 +44,7 @@ def test_streaming_passes_sse_through():
 def test_concurrent_mode_learns_prefill_by_handshake_and_sends_both_legs():
     """--mode concurrent asks prefill's side channel for its fact sheet (engine id, TP)
     before either leg; this path runs with the [router] extras alone (tox -e novllm)."""
-    with rs.side_channel() as (port, seen), rs.upstream("prefill") as p, \
+    with rs.side_channel() as (port, seen), rs.upstream("prefill", prompt_ids=[5]) as p, \
             rs.upstream("decode") as d:
         p.side = port
         with router([p], [d], mode="concurrent") as (url, _proxy):
@@ -54,6 +55,8 @@ def test_concurrent_mode_learns_prefill_by_handshake_and_sends_both_legs():
     assert params["remote_engine_id"] == "standin-engine" and params["remote_tp_size"] == 2
     assert params["remote_port"] == port and params["do_remote_prefill"] is True
     assert sum(type(m).__name__ == "HandshakeRequest" for m in seen) == 1  # cached
+    # decode's leg leaves before prefill answers: it keeps the text, prefill is not asked
+    assert d.seen[0]["prompt"] == BODY["prompt"] and "return_token_ids" not in p.seen[0]
 
 
 def test_least_loaded_instance_is_picked_and_idle_ones_rotate():
@@ -85,3 +88,52 @@ def test_health_and_models_pass_through():
         d.status = 503
         sick = httpx.get(url + "/health")
     assert sick.status_code == 503 and sick.json()[f"decode {d.url}"] == "HTTP 503"
+
+
+def test_decode_gets_the_prompt_as_the_token_ids_prefill_computed():
+    """Sequential /v1/completions: the prefill leg asks for the prompt's token ids and the
+    decode leg carries them as its prompt (decode does not tokenize the text again);
+    everything else in decode's request is the client's."""
+    with rs.upstream("prefill", prompt_ids=[5, 6, 7]) as p, \
+            rs.upstream("decode", text="two hundred") as d, router([p], [d]) as (url, proxy):
+        r = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "two hundred"
+    assert p.seen[0]["return_token_ids"] is True and p.seen[0]["prompt"] == BODY["prompt"]
+    sent_d = d.seen[0]
+    assert sent_d["prompt"] == [5, 6, 7] and "return_token_ids" not in sent_d
+    assert {k: v for k, v in sent_d.items() if k not in ("kv_transfer_params", "prompt")} == {
+        k: v for k, v in BODY.items() if k != "prompt"}
+    assert proxy.counters["decode_prompt_ids"] == 1
+
+
+@pytest.mark.parametrize("answered", [None, [], [1, "2"], [1, -2], [True], "1 2 3", [1.5]])
+def test_decode_keeps_the_text_when_prefill_answers_no_usable_ids(answered):
+    with rs.upstream("prefill", prompt_ids=answered) as p, rs.upstream("decode") as d, \
+            router([p], [d]) as (url, proxy):
+        assert httpx.post(url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+    assert d.seen[0]["prompt"] == BODY["prompt"]
+    assert proxy.counters["decode_prompt_ids"] == 0
+
+
+@pytest.mark.parametrize("extra,settings", [
+    ({"echo": True}, {}),  # the answer echoes the prompt's text
+    ({"prompt_logprobs": 1}, {}),
+    ({"prompt": ["a", "b"]}, {}),  # not one text prompt
+    ({}, {"prompt_token_ids": False}),  # --no-prompt-token-ids
+])
+def test_prefill_is_not_asked_for_ids_where_decode_keeps_the_text(extra, settings):
+    with rs.upstream("prefill", prompt_ids=[5, 6, 7]) as p, rs.upstream("decode") as d, \
+            router([p], [d], **settings) as (url, _):
+        assert httpx.post(url + "/v1/completions", json=BODY | extra, timeout=10
+                          ).status_code == 200
+    assert "return_token_ids" not in p.seen[0]
+    assert d.seen[0]["prompt"] == (BODY | extra)["prompt"]
+
+
+def test_only_text_completions_of_one_prompt_take_ids():
+    from vllm_flagcx.router.legs import prompt_ids_apply
+
+    assert prompt_ids_apply("/v1/completions", {"prompt": "x"})
+    assert not prompt_ids_apply("/v1/chat/completions", {"prompt": "x"})
+    assert not prompt_ids_apply("/v1/completions", {"prompt": [1, 2]})
+    assert not prompt_ids_apply("/v1/completions", {"prompt": "x", "echo": True})

@@ -40,6 +40,7 @@ class Upstream:
     return_params: bool = True
     cut_stream_after: int | None = None  # chunks, then the connection drops
     raw_body: bytes | None = None  # answer 200 with exactly these bytes (not JSON, say)
+    prompt_ids: Any = None  # prefill: choices[0].prompt_token_ids when return_token_ids
     seen: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     port: int = 0
@@ -92,6 +93,8 @@ def _app(up: Upstream) -> FastAPI:
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         out = {"choices": [{"index": 0, "text": up.text, "finish_reason": "length"}]}
+        if body.get("return_token_ids") and up.prompt_ids is not None:
+            out["choices"][0]["prompt_token_ids"] = up.prompt_ids  # as vLLM answers it
         if up.role == "prefill" and up.return_params:
             out["kv_transfer_params"] = up.params(body)
         return out

@@ -40,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-timelines", action="store_true",
                    help="log one flagcx-timeline line per request at INFO (else DEBUG): "
                         "where its time to first byte went (vllm_flagcx/wire/timeline.py)")
+    p.add_argument("--no-prompt-token-ids", dest="prompt_token_ids", action="store_false",
+                   help="sequential /v1/completions: send decode the prompt's text, not the "
+                        "token ids prefill computed it as (the default saves decode a "
+                        "second tokenization on the first token's path)")
     return p
 
 
@@ -64,7 +68,8 @@ def build(args: argparse.Namespace) -> FastAPI:
     settings = RouterSettings(mode=args.mode, connect_timeout=args.connect_timeout,
                               prefill_timeout=args.prefill_timeout,
                               decode_timeout=args.decode_timeout, key=key,
-                              log_timelines=args.log_timelines)
+                              log_timelines=args.log_timelines,
+                              prompt_token_ids=args.prompt_token_ids)
     return build_app(Proxy(prefill, decode, settings))
 
 

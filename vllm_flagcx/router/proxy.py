@@ -32,6 +32,8 @@ from vllm_flagcx.router.legs import (
     decode_body,
     json_object,
     prefill_body,
+    prompt_ids_apply,
+    prompt_token_ids,
     upstream_error,
 )
 from vllm_flagcx.router.pool import Instance, Pool, RouterConfigError
@@ -59,8 +61,10 @@ class Proxy:
 
     # ------------------------------------------------------------------ legs
     async def run_prefill(self, path: str, body: dict[str, Any], transfer_id: str,
-                          marks: dict[str, float] | None = None
-                          ) -> tuple[Instance, dict[str, Any] | None]:
+                          marks: dict[str, float] | None = None, want_prompt_ids: bool = False
+                          ) -> tuple[Instance, dict[str, Any] | None, list[int] | None]:
+        """The prefill leg: (its instance, the ``kv_transfer_params`` it returned, the
+        prompt's token ids when ``want_prompt_ids`` and it returned them)."""
         instance = self.prefill.pick()
         instance.in_flight += 1
         started = time.monotonic()
@@ -68,7 +72,8 @@ class Proxy:
             marks["t_prefill_sent"] = started
         try:
             response = await self.client.post(instance.url + path,
-                                              json=prefill_body(body, transfer_id),
+                                              json=prefill_body(body, transfer_id,
+                                                                want_prompt_ids),
                                               timeout=self.settings.prefill_timeout)
         except httpx.TimeoutException as exc:
             instance.failed += 1
@@ -103,7 +108,10 @@ class Proxy:
             logger.warning("prefill %s returned no kv_transfer_params for %s; decode "
                            "recomputes the prompt (is it started with kv_role=kv_producer?)",
                            instance.url, transfer_id)
-        return instance, params
+        ids = prompt_token_ids(answer) if want_prompt_ids else None
+        if ids is not None:
+            self.counters["decode_prompt_ids"] += 1
+        return instance, params, ids
 
     async def concurrent_params(self, instance: Instance, transfer_id: str) -> dict[str, Any]:
         """Decode's params before prefill answered, from the prefill's own fact sheet."""
@@ -137,7 +145,8 @@ class Proxy:
             tp_size=tp_size, engine_id=engine_id, block_sizes=block_sizes)
 
     async def open_decode(self, path: str, body: dict[str, Any],
-                          params: dict[str, Any] | None, marks: dict[str, float] | None = None
+                          params: dict[str, Any] | None, marks: dict[str, float] | None = None,
+                          prompt_ids: list[int] | None = None
                           ) -> tuple[Instance, httpx.Response]:
         """Send the decode leg; returns the open (streamed) response once headers came."""
         instance = self.decode.pick()
@@ -147,7 +156,7 @@ class Proxy:
         handed_over = False  # the caller owns the in-flight count once it has the response
         try:
             request = self.client.build_request("POST", instance.url + path,
-                                                json=decode_body(body, params))
+                                                json=decode_body(body, params, prompt_ids))
             try:
                 response = await self.client.send(request, stream=True)
             except httpx.TimeoutException as exc:
@@ -196,17 +205,19 @@ class Proxy:
         flow = Flow(self, transfer_id=f"flagcx-{uuid.uuid4().hex}")
         flow.marks["t_in"] = time.monotonic()
         try:
+            prompt_ids = None  # concurrent: decode starts before prefill's answer
             if self.settings.mode == "concurrent":
                 p_instance = self.prefill.pick()
                 flow.params = await self.concurrent_params(p_instance, flow.transfer_id)
                 flow.prefill_task = asyncio.create_task(
                     self.run_prefill(path, body, flow.transfer_id, flow.marks))
             else:
-                p_instance, flow.params = await self.run_prefill(path, body, flow.transfer_id,
-                                                                 flow.marks)
+                want = self.settings.prompt_token_ids and prompt_ids_apply(path, body)
+                p_instance, flow.params, prompt_ids = await self.run_prefill(
+                    path, body, flow.transfer_id, flow.marks, want)
                 check_advertised(p_instance, self.decode.instances, flow.params)
             flow.instance, flow.response = await self.open_decode(path, body, flow.params,
-                                                                  flow.marks)
+                                                                  flow.marks, prompt_ids)
             if flow.prefill_task is not None:
                 flow.watch_prefill()
         except LegError as exc:
