@@ -6,6 +6,7 @@ instance). Pure: no network here; ``proxy`` runs the legs.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,14 +60,14 @@ class RouterSettings:
                 raise RouterConfigError(f"--{name.replace('_', '-')} must be > 0")
 
 
-def prompt_ids_apply(path: str, body: dict[str, Any]) -> bool:
+def prompt_ids_apply(path: str, body: Mapping[str, object]) -> bool:
     """The decode leg may carry the prompt as prefill's token ids: a text completion of
     one text prompt whose answer does not echo or score the prompt's text."""
     return (path.rstrip("/").endswith("/v1/completions") and isinstance(body.get("prompt"), str)
             and not any(body.get(k) for k in _PROMPT_AS_TEXT))
 
 
-def prompt_token_ids(answer: dict[str, Any]) -> list[int] | None:
+def prompt_token_ids(answer: Mapping[str, object]) -> list[int] | None:
     """The prompt's token ids from prefill's answer (``return_token_ids``: its one
     choice's ``prompt_token_ids``), or None when absent or not a bounded, non-empty list
     of token ids (then decode gets the text, as before)."""
