@@ -52,18 +52,25 @@ __device__ __forceinline__ void copy_bytes(unsigned long long out, unsigned long
   }
 }
 
+// The walk both kernels share: the table's three columns (dst[n], src[n], len[n]), this
+// lane's place among the warps a descriptor is split over (blockIdx.x), and the
+// descriptors this warp takes in turn (first, first + step, ...).
+struct Walk {
+  const unsigned long long *dst, *src, *len;
+  unsigned long long lane, lanes, first, step;
+  __device__ Walk(const unsigned long long* table, unsigned long long n)
+      : dst(table), src(table + n), len(table + 2 * n),
+        lane((unsigned long long)blockIdx.x * 32 + (threadIdx.x & 31)),
+        lanes((unsigned long long)gridDim.x * 32),
+        first((unsigned long long)blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)),
+        step((unsigned long long)gridDim.y * (blockDim.x >> 5)) {}
+};
+
 extern "C" __global__ void vllm_flagcx_batched_copy(
     const unsigned long long* __restrict__ table, unsigned long long n) {
-  const unsigned long long* dst = table;
-  const unsigned long long* src = table + n;
-  const unsigned long long* len = table + 2 * n;
-  const unsigned warps = blockDim.x >> 5;
-  const unsigned long long lane = (unsigned long long)blockIdx.x * 32 + (threadIdx.x & 31);
-  const unsigned long long lanes = (unsigned long long)gridDim.x * 32;
-  const unsigned long long step = (unsigned long long)gridDim.y * warps;
-  for (unsigned long long d = (unsigned long long)blockIdx.y * warps + (threadIdx.x >> 5);
-       d < n; d += step)
-    copy_bytes(dst[d], src[d], len[d], lane, lanes);
+  const Walk w(table, n);
+  for (unsigned long long d = w.first; d < n; d += w.step)
+    copy_bytes(w.dst[d], w.src[d], w.len[d], w.lane, w.lanes);
 }
 
 // The region (of `count`, in shared memory) holding [start, start + bytes) whole, or -1;
@@ -106,16 +113,9 @@ extern "C" __global__ void vllm_flagcx_checked_copy(
     d_delta[k] = regions[2 * ns + 2 * nd + k];
   }
   __syncthreads();
-  const unsigned long long* dst = table;
-  const unsigned long long* src = table + n;
-  const unsigned long long* len = table + 2 * n;
-  const unsigned warps = blockDim.x >> 5;
-  const unsigned long long lane = (unsigned long long)blockIdx.x * 32 + (threadIdx.x & 31);
-  const unsigned long long lanes = (unsigned long long)gridDim.x * 32;
-  const unsigned long long step = (unsigned long long)gridDim.y * warps;
-  for (unsigned long long d = (unsigned long long)blockIdx.y * warps + (threadIdx.x >> 5);
-       d < n; d += step) {
-    const unsigned long long out = dst[d], in = src[d], bytes = len[d];
+  const Walk w(table, n);
+  for (unsigned long long d = w.first; d < n; d += w.step) {
+    const unsigned long long out = w.dst[d], in = w.src[d], bytes = w.len[d];
     const int s = region_of(in, bytes, s_lo, s_hi, ns);
     const int k = region_of(out, bytes, d_lo, d_hi, nd);
     if (s < 0 || k < 0) {
@@ -125,7 +125,7 @@ extern "C" __global__ void vllm_flagcx_checked_copy(
       }
       continue;
     }
-    copy_bytes(out + d_delta[k], in, bytes, lane, lanes);
+    copy_bytes(out + d_delta[k], in, bytes, w.lane, w.lanes);
   }
 }
 """
@@ -137,6 +137,7 @@ MAX_GRID_Y = 65535
 MAX_REGIONS = 256  # registered regions per side the checked kernel holds (its MAX_REGIONS)
 SOURCE_OUTSIDE, DESTINATION_OUTSIDE = 0, 1  # the checked kernel's refusal words
 CU_MEMHOSTALLOC_DEVICEMAP = 0x02
+_NO_WORDS = np.zeros(0, np.uint64)  # ``_upload``'s head for the plain kernel
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
@@ -333,44 +334,45 @@ class BatchedCopy:
         ``stream``; the answer is the two refusal words, to read only after the caller
         synchronised the stream (non-zero: that side had a descriptor outside its regions,
         and that descriptor was not copied). ``regions`` is ``region_table``'s."""
-        n = int(dst.size)
-        r = int(regions.size)
-        host = self._staging(r + 3 * n)
-        host[:r] = regions
-        host[r:r + n], host[r + n:r + 2 * n], host[r + 2 * n:] = dst, src, length
-        table = self._table(host.nbytes)
-        self._check(self._lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(table),
-                                                   ctypes.c_void_p(host.ctypes.data),
-                                                   ctypes.c_size_t(host.nbytes), stream),
-                    "cuMemcpyHtoDAsync (descriptor table)")
+        table = self._upload(stream, regions, dst, src, length)
         refused = self._refusals()
-        split, rows = launch_shape(n, int(length.max()))
-        args = (ctypes.c_uint64(table + 8 * r), ctypes.c_uint64(n), ctypes.c_uint64(table),
-                ctypes.c_uint32(sources), ctypes.c_uint32(destinations),
-                ctypes.c_uint64(refused.ctypes.data))
-        params = (ctypes.c_void_p * len(args))(
-            *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
-        self._check(self._lib.cuLaunchKernel(self._checked, split, rows, 1, THREADS, 1, 1,
-                                             0, stream, params, None),
-                    "cuLaunchKernel (checked copy)")
+        self._launch(stream, self._checked, "checked copy", length,
+                     (ctypes.c_uint64(table + 8 * regions.size), ctypes.c_uint64(dst.size),
+                      ctypes.c_uint64(table), ctypes.c_uint32(sources),
+                      ctypes.c_uint32(destinations), ctypes.c_uint64(refused.ctypes.data)))
         return refused
 
     def run(self, stream: ctypes.c_void_p, dst: np.ndarray, src: np.ndarray,
             length: np.ndarray) -> None:
         """Enqueue the copy on ``stream`` (the caller synchronises before the next
         ``run`` on this thread)."""
-        n = int(dst.size)
-        host = self._staging(3 * n)
-        host[:n], host[n:2 * n], host[2 * n:] = dst, src, length
+        table = self._upload(stream, _NO_WORDS, dst, src, length)
+        self._launch(stream, self._function, "batched copy", length,
+                     (ctypes.c_uint64(table), ctypes.c_uint64(dst.size)))
+
+    def _upload(self, stream: ctypes.c_void_p, head: np.ndarray, dst: np.ndarray,
+                src: np.ndarray, length: np.ndarray) -> int:
+        """Stage ``head`` and then the descriptor columns (dst, src, length) in this
+        thread's page-locked buffer and enqueue their upload to its device table; the
+        table's device address (``head`` at its start, the columns after it)."""
+        n, r = int(dst.size), int(head.size)
+        host = self._staging(r + 3 * n)
+        host[:r] = head
+        host[r:r + n], host[r + n:r + 2 * n], host[r + 2 * n:] = dst, src, length
         table = self._table(host.nbytes)
         self._check(self._lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(table),
                                                    ctypes.c_void_p(host.ctypes.data),
                                                    ctypes.c_size_t(host.nbytes), stream),
                     "cuMemcpyHtoDAsync (descriptor table)")
-        split, rows = launch_shape(n, int(length.max()))
-        arg_table, arg_n = ctypes.c_uint64(table), ctypes.c_uint64(n)
-        params = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(arg_table), ctypes.c_void_p),
-                                       ctypes.cast(ctypes.byref(arg_n), ctypes.c_void_p))
-        self._check(self._lib.cuLaunchKernel(self._function, split, rows, 1, THREADS, 1, 1,
-                                             0, stream, params, None),
-                    "cuLaunchKernel (batched copy)")
+        return table
+
+    def _launch(self, stream: ctypes.c_void_p, function: ctypes.c_void_p, what: str,
+                length: np.ndarray, args: tuple[ctypes._SimpleCData, ...]) -> None:
+        """Launch ``function`` over ``length.size`` descriptors (``launch_shape``) with
+        ``args`` as its parameters."""
+        split, rows = launch_shape(int(length.size), int(length.max()))
+        params = (ctypes.c_void_p * len(args))(
+            *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
+        self._check(self._lib.cuLaunchKernel(function, split, rows, 1, THREADS, 1, 1, 0,
+                                             stream, params, None),
+                    f"cuLaunchKernel ({what})")
