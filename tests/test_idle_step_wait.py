@@ -104,15 +104,22 @@ def test_a_step_that_computes_tokens_never_waits_and_zero_never_waits():
 
 def test_an_empty_prefill_step_waits_out_a_write_in_flight():
     """Prefill holds only the finished request (its steps compute nothing) while decode's
-    pull is written (the stand-in's write takes 0.3 s): a prefill step waits for it."""
-    p, d = _pair(p_wait=5.0, d_wait=0.0, p_faults=Faults(delay_seconds=0.3))
+    pull is written (the stand-in's write takes 1 s): the next prefill step waits for it.
+
+    The test waits for the write to begin with short sleeps, not by stepping prefill back
+    to back: a loop of empty steps holds the GIL, and on a 2-core CI machine it starved
+    decode's pull thread for more than 10 s."""
+    p, d = _pair(p_wait=5.0, d_wait=0.0, p_faults=Faults(delay_seconds=1.0))
     try:
         rid = _to_decode(p, d, pd.run_prefill(p, [40]))
         d.step()  # decode plans the load; its pull goes to prefill's side channel
-        deadline = time.monotonic() + 10
-        while not p.workers[0].stats.get("idle_step_waits", 0) and time.monotonic() < deadline:
-            p.step()
-        assert p.workers[0].stats.get("idle_step_waits", 0) >= 1
+        deadline = time.monotonic() + 20
+        while not p.workers[0].in_flight.running and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert p.workers[0].in_flight.running == 1, "decode's pull never reached prefill"
+        assert p.workers[0].stats.get("idle_step_waits", 0) == 0
+        p.step()
+        assert p.workers[0].stats.get("idle_step_waits", 0) == 1
         assert p.workers[0].in_flight.running == 0  # that step returned after the write
         pd.settle(p, d)
         assert rid in d.scheduled_blocks

@@ -5,6 +5,7 @@ caches of ``pd_caches``, wired to a transport (the in-process stand-in by defaul
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from testkit.pd_caches import (
     rank_kv_cache_config,
     sliding_rank_kv_cache_config,
 )
-from testkit.transport_standin import Faults, MemmoveTransport
+from testkit.transport_standin import FAULTS_KEY, Faults, MemmoveTransport
 from vllm_flagcx.compat import kv_cache, kv_layout, kv_views
 from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
@@ -201,6 +202,11 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
     key = auth.load_key(secret_file)
     if secret_file:
         extra = {**(extra or {}), auth.SECRET_FILE_KEY: secret_file}
+    if via_entry and faults is not None:  # the entry's transport comes from the factory
+        assert transport is None, "fault knobs need the stand-in transport"
+        extra = {**(extra or {}), FAULTS_KEY: {
+            f.name: getattr(faults, f.name) for f in dataclasses.fields(faults)
+            if getattr(faults, f.name) != f.default}}
     extra_config = {"side_channel_port": port, "lease_seconds": lease_seconds,
                     **({"transport": transport} if transport else
                        {"transport_factory": "testkit.transport_standin:factory"}),

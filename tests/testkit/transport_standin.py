@@ -99,9 +99,18 @@ class MemmoveTransport(Transport):
             _ENDPOINTS.pop(self._desc, None)
 
 
+FAULTS_KEY = "standin_faults"  # kv_connector_extra_config key: Faults fields for ``factory``
+
+
 def factory(vllm_config: object, tp_rank: int) -> MemmoveTransport:
-    """``transport_factory`` entry for kv_connector_extra_config (stand-in, see above)."""
-    return MemmoveTransport()
+    """``transport_factory`` entry for kv_connector_extra_config (stand-in, see above).
+
+    A connector built through vLLM's own entry (``FlagCXConnector``) makes its transport
+    here, so its fault knobs come through the config: ``standin_faults`` holds
+    ``Faults`` fields (without it, no faults)."""
+    extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
+                    "kv_connector_extra_config", None) or {}
+    return MemmoveTransport(Faults(**extra.get(FAULTS_KEY, {})))
 
 
 def not_a_transport(vllm_config: object, tp_rank: int) -> object:
