@@ -118,7 +118,9 @@ def test_an_empty_prefill_step_waits_out_a_write_in_flight():
             time.sleep(0.002)
         assert p.workers[0].in_flight.running == 1, "decode's pull never reached prefill"
         assert p.workers[0].stats.get("idle_step_waits", 0) == 0
+        started = time.monotonic()
         p.step()
+        assert time.monotonic() - started > 0.2  # it waited out the 1 s write (knob applied)
         assert p.workers[0].stats.get("idle_step_waits", 0) == 1
         assert p.workers[0].in_flight.running == 0  # that step returned after the write
         pd.settle(p, d)
