@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,6 +323,52 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int
             return exc.code, json.loads(raw)
         except ValueError:
             return exc.code, raw.decode(errors="replace")
+
+
+def streamed_text(lines: Iterable[bytes]) -> str:
+    """The completion's text from an OpenAI server-sent event stream (``stream: true``):
+    each ``data:`` event's first choice's text, joined, up to ``[DONE]``. An event that
+    carries an ``error`` (vLLM's mid-stream failure), or a stream without ``[DONE]``,
+    raises ``DemoError`` naming it: a cut stream must not read as a shorter answer."""
+    parts: list[str] = []
+    for raw in lines:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return "".join(parts)
+        event = json.loads(data)
+        if "error" in event:
+            raise DemoError(f"the stream carried an error: {str(event['error'])[:300]}")
+        choices = event.get("choices") or []
+        if choices:
+            parts.append(choices[0].get("text") or "")
+    raise DemoError("the stream ended without [DONE] (cut off)")
+
+
+def post_stream(url: str, body: dict[str, Any], timeout: float = 300
+                ) -> tuple[str, float]:
+    """POST ``body`` with ``stream: true``: (the joined text, seconds to the first event),
+    or ``DemoError`` with the server's answer when it is not HTTP 200."""
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    first: list[float] = []
+
+    def lines(r: Any) -> Iterator[bytes]:
+        for line in r:
+            if not first and line.strip():
+                first.append(time.monotonic() - started)
+            yield line
+
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            text = streamed_text(lines(r))
+    except urllib.error.HTTPError as exc:
+        raise DemoError(f"{url} answered HTTP {exc.code}: "
+                        f"{exc.read().decode(errors='replace')[:300]}") from exc
+    return text, first[0] if first else time.monotonic() - started
 
 
 def get_text(url: str, timeout: float = 10) -> str:
