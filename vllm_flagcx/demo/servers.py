@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -347,7 +347,7 @@ def streamed_text(lines: Iterable[bytes]) -> str:
     raise DemoError("the stream ended without [DONE] (cut off)")
 
 
-def post_stream(url: str, body: dict[str, Any], timeout: float = 300
+def post_stream(url: str, body: Mapping[str, object], timeout: float = 300
                 ) -> tuple[str, float]:
     """POST ``body`` with ``stream: true``: (the joined text, seconds to the first event),
     or ``DemoError`` with the server's answer when it is not HTTP 200."""
@@ -356,7 +356,7 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 300
     started = time.monotonic()
     first: list[float] = []
 
-    def lines(r: Any) -> Iterator[bytes]:
+    def lines(r: Iterable[bytes]) -> Iterator[bytes]:
         for line in r:
             if not first and line.strip():
                 first.append(time.monotonic() - started)
