@@ -348,9 +348,10 @@ def streamed_text(lines: Iterable[bytes]) -> str:
 
 
 def post_stream(url: str, body: Mapping[str, object], timeout: float = 300
-                ) -> tuple[str, float]:
-    """POST ``body`` with ``stream: true``: (the joined text, seconds to the first event),
-    or ``DemoError`` with the server's answer when it is not HTTP 200."""
+                ) -> tuple[str, float, float]:
+    """POST ``body`` with ``stream: true``: (the joined text, seconds to the first event,
+    seconds to the end), or ``DemoError`` with the server's answer when it is not HTTP
+    200."""
     request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
     started = time.monotonic()
@@ -368,7 +369,8 @@ def post_stream(url: str, body: Mapping[str, object], timeout: float = 300
     except urllib.error.HTTPError as exc:
         raise DemoError(f"{url} answered HTTP {exc.code}: "
                         f"{exc.read().decode(errors='replace')[:300]}") from exc
-    return text, first[0] if first else time.monotonic() - started
+    # a returned text saw its ``[DONE]`` line, so ``first`` holds a time
+    return text, first[0], time.monotonic() - started
 
 
 def get_text(url: str, timeout: float = 10) -> str:
