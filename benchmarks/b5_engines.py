@@ -1,7 +1,11 @@
 """B5: KV transfer inside real engines, and ``vllm bench serve`` PD vs monolithic (GPU).
 
-One prefill + decode pair of a CUDA vLLM on one GPU (the demo's sliding + full model,
-bf16, FLASH_ATTN, FlagCXConnector over CUDA IPC) behind the router. For 1k, 8k and 32k-token
+One prefill + decode pair of a CUDA vLLM on one GPU (a model of the target's real width,
+``benchmarks.wide_models``: ``VLLM_FLAGCX_B5_MODEL`` = hybrid-wide (default) or
+dense-wide; bf16, FLASH_ATTN, FlagCXConnector over CUDA IPC, vLLM's default CUDA graph
+mode; ``VLLM_FLAGCX_B5_EAGER=1`` is the ``--enforce-eager`` variant) behind the router.
+Unloaded, per prompt size: PD's and the monolithic engine's time to the first and the
+second token, streamed, one request at a time. For 1k, 8k and 32k-token
 prompts (fresh random ids each repeat, so decode's prefix cache never serves one): the KV
 bytes and seconds decode's connector counted for the request (``vllm:flagcx_received_*``:
 side-channel round trip, the writes, the integrity check), against a device-to-device copy
@@ -34,9 +38,58 @@ MAX_MODEL_LEN = 33024
 # blocks" under --gpu-memory-utilization alone (issue 27, on the H200); the GPU suite
 # passes a fixed size too.
 ENGINE_ARGS = ("--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(4 << 30),
-               "--enforce-eager", "--attention-backend", "FLASH_ATTN")
+               "--attention-backend", "FLASH_ATTN", "--load-format", "dummy")
 SERVE = ("--dataset-name", "random", "--random-input-len", "1024", "--random-output-len",
          "64", "--num-prompts", "64", "--request-rate", "8", "--seed", "0", "--ignore-eos")
+RATES = (4, 8, 16, 32)  # req/s of the serve sweep (PD sequential and monolithic)
+MODEL_ENV, EAGER_ENV = "VLLM_FLAGCX_B5_MODEL", "VLLM_FLAGCX_B5_EAGER"
+
+
+def _stream_times(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, float]:
+    """Seconds to the first and to the second token event of a streamed completion, and
+    the mean seconds per token after the first (TPOT), as a client sees them."""
+    import json
+
+    import httpx
+
+    started = time.monotonic()
+    stamps: list[float] = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=300, json={
+            "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise AssertionError(f"{url}: {event['error']}")
+            if any(c.get("text") for c in event.get("choices", [])):
+                stamps.append(time.monotonic() - started)
+    assert len(stamps) >= 2, f"{url}: {len(stamps)} token events"
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return stamps[0], stamps[1], tpot
+
+
+def _unloaded(d: Any, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """Per prompt size, PD's and monolithic's time to the first and the second token
+    (median ms over ``repeats`` fresh random prompts, one request at a time)."""
+    rng = random.Random(1)
+    rows = []
+    for size in sizes:
+        got: dict[str, list[tuple[float, float, float]]] = {"pd": [], "mono": []}
+        for _ in range(repeats):
+            prompt = [rng.randrange(2, 500) for _ in range(size)]
+            got["pd"].append(_stream_times(d.router.url, prompt, 16))
+            got["mono"].append(_stream_times(d.prefill.url, prompt, 16))
+        row: dict[str, Any] = {"prompt_tokens": size}
+        for side, samples in got.items():
+            for i, name in enumerate(("ttft_ms", "second_token_ms", "tpot_ms")):
+                row[f"{side}_{name}"] = statistics.median(s[i] for s in samples) * 1e3
+        row["ttft_ratio"] = row["pd_ttft_ms"] / row["mono_ttft_ms"]
+        row["second_token_gap_ms"] = row["pd_second_token_ms"] - row["mono_second_token_ms"]
+        rows.append(row)
+    return rows
 
 
 def _device_copy_seconds(nbytes: int, repeats: int = 10) -> float:
@@ -54,14 +107,14 @@ def _device_copy_seconds(nbytes: int, repeats: int = 10) -> float:
     return statistics.median(samples[2:])
 
 
-def _transfers(d: Any, repeats: int) -> list[dict[str, Any]]:
+def _transfers(d: Any, repeats: int, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     import engines
 
     from vllm_flagcx.demo import run as demo_run
 
     rng = random.Random(0)
     rows = []
-    for size in SIZES:
+    for size in sizes:
         moved, seconds = [], []
         since = time.monotonic()
         for _ in range(repeats):
@@ -69,7 +122,8 @@ def _transfers(d: Any, repeats: int) -> list[dict[str, Any]]:
             before = demo_run.received(d.decode)
             # streamed: the router's first body byte is decode's first token, so the
             # breakdown's first_token phase holds that token only (not the whole answer)
-            r = engines.complete(d.router.url, prompt, max_tokens=2, stream=True)
+            r = engines.complete(d.router.url, prompt, max_tokens=2, stream=True,
+                                 ignore_eos=True)
             assert r.status_code == 200, r.text
             got_bytes, got_seconds = demo_run.transfer_after(d.decode, before)
             moved.append(got_bytes)
@@ -88,21 +142,28 @@ def _transfers(d: Any, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _serve(d: Any, num_prompts: int, concurrent_url: str) -> dict[str, dict[str, Any]]:
+def _serve(d: Any, num_prompts: int, concurrent_url: str, rates: tuple[int, ...],
+           goodput: list[str]) -> dict[str, dict[str, Any]]:
+    """``vllm bench serve`` at each rate: PD sequential and monolithic; PD concurrent at
+    8 req/s. ``goodput``: vLLM's ``--goodput`` SLO arguments."""
     from vllm_flagcx.compat import bench
-
-    argv = [*SERVE]
-    argv[argv.index("--num-prompts") + 1] = str(num_prompts)
     from vllm_flagcx.demo import run as demo_run
 
     out = {}
-    for name, url in (("pd_router", d.router.url), ("pd_concurrent", concurrent_url),
-                      ("monolithic", d.prefill.url)):
+    runs = [(f"{name}@{rate}", url, rate) for rate in rates
+            for name, url in (("pd_router", d.router.url), ("monolithic", d.prefill.url))]
+    runs.append(("pd_concurrent@8", concurrent_url, 8))
+    for name, url, rate in runs:
+        argv = [*SERVE]
+        argv[argv.index("--num-prompts") + 1] = str(num_prompts)
+        argv[argv.index("--request-rate") + 1] = str(rate)
         since = time.monotonic()
         result = bench.bench_serve(["--backend", "openai", "--base-url", url, "--model",
-                                    "demo", "--tokenizer", str(d.model), *argv])
-        out[name] = {k: result.get(k) for k in bench.SUMMARY_KEYS}
-        if name == "pd_router":
+                                    "demo", "--tokenizer", str(d.model), *argv,
+                                    *(["--goodput", *goodput] if goodput else [])])
+        out[name] = {k: result.get(k) for k in (*bench.SUMMARY_KEYS, "request_goodput")}
+        out[name]["rate"] = rate
+        if name.startswith("pd_router"):
             time.sleep(0.5)
             phases, count = demo_run.breakdown(d.router, d.decode, since)
             out[name] |= {"breakdown_ms": phases, "breakdown_requests": count}
@@ -141,11 +202,20 @@ def run(quick: bool) -> dict[str, Any]:
 
     from vllm_flagcx.demo import servers as sv
 
+    from benchmarks import wide_models
+
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # the toy model says 4096 positions
+    kind = os.environ.get(MODEL_ENV, "hybrid-wide")
+    eager = os.environ.get(EAGER_ENV) == "1"
+    sizes = SIZES[:1] if quick else SIZES
+    for size in sizes:
+        wide_models.check_prompt_fits(kind, size, 16)
     workdir = Path(tempfile.mkdtemp(prefix="b5-"))
-    d = engines.Deployment(workdir, "sliding", "bfloat16", engine_args=ENGINE_ARGS,
-                           cpu_isa="auto", max_model_len=MAX_MODEL_LEN)
+    engine_args = (*ENGINE_ARGS, *wide_models.ENGINE_ARGS[kind],
+                   *(("--enforce-eager",) if eager else ()))
+    d = engines.Deployment(workdir, dtype="bfloat16", engine_args=engine_args,
+                           cpu_isa="auto", max_model_len=MAX_MODEL_LEN,
+                           model=wide_models.write(workdir / "model", kind))
     extra = _extra_from_env()
     for server in (d.prefill, d.decode):
         _merge_extra_config(server.argv, extra)
@@ -158,27 +228,46 @@ def run(quick: bool) -> dict[str, Any]:
         ready = sv.wait_healthy([d.prefill, d.decode], engines.START_TIMEOUT)
         with sv.running([d.router, concurrent]):
             sv.wait_healthy([d.router, concurrent], 60)
-            rows = _transfers(d, 2 if quick else 5)
-            serve = _serve(d, 16 if quick else 64, concurrent.url)
+            _stream_times(d.router.url, list(range(2, 66)), 4)  # warm both paths once
+            _stream_times(d.prefill.url, list(range(2, 66)), 4)
+            unloaded = _unloaded(d, sizes, 3 if quick else 5)
+            rows = _transfers(d, 2 if quick else 5, sizes)
+            base = next(r for r in unloaded if r["prompt_tokens"] == 1024) \
+                if any(r["prompt_tokens"] == 1024 for r in unloaded) else unloaded[0]
+            slo = [f"ttft:{3 * base['mono_ttft_ms']:.1f}",
+                   f"tpot:{1.5 * base['mono_tpot_ms']:.2f}"]
+            serve = _serve(d, 16 if quick else 64, concurrent.url,
+                           RATES[:1] if quick else RATES, slo)
     text = report.table(
-        "B5 KV transfer inside real engines (CUDA vLLM, FLASH_ATTN bf16, CUDA IPC) vs a "
-        "device copy of the same bytes",
+        f"B5 {kind}, {'eager (--enforce-eager)' if eager else 'CUDA graphs'}: PD (router, "
+        "first token from prefill) vs the monolithic engine, unloaded, streamed, median ms",
+        ("prompt tokens", "PD TTFT", "mono TTFT", "ratio", "PD 2nd tok", "mono 2nd tok",
+         "2nd gap", "PD TPOT", "mono TPOT"),
+        [(u["prompt_tokens"], f"{u['pd_ttft_ms']:.1f}", f"{u['mono_ttft_ms']:.1f}",
+          f"{u['ttft_ratio']:.3f}", f"{u['pd_second_token_ms']:.1f}",
+          f"{u['mono_second_token_ms']:.1f}", f"{u['second_token_gap_ms']:+.1f}",
+          f"{u['pd_tpot_ms']:.2f}", f"{u['mono_tpot_ms']:.2f}") for u in unloaded])
+    text += "\n\n" + report.table(
+        "KV transfer inside the engines (decode's connector counters) vs a device copy of "
+        "the same bytes",
         ("prompt tokens", "KV bytes", "transfer ms", "device copy ms", "GB/s", "copy GB/s"),
         [(r["prompt_tokens"], r["kv_bytes"], f"{r['transfer_ms']:.2f}",
           f"{r['device_copy_ms']:.3f}", f"{r['transfer_GBps']:.1f}",
           f"{r['device_copy_GBps']:.1f}") for r in rows])
     text += "\n\n" + report.table(
-        "vllm bench serve (random 1024 in / 64 out, 8 req/s): PD through the router "
-        "(sequential, concurrent) vs the monolithic engine",
-        ("run", "completed", "failed", "mean TTFT ms", "p99 TTFT ms", "mean TPOT ms",
-         "p99 TPOT ms"),
+        f"vllm bench serve (random 1024 in / 64 out), goodput at {' '.join(slo)} (3 x / "
+        "1.5 x monolithic's unloaded 1k TTFT / TPOT); both engines on one GPU",
+        ("run", "completed", "failed", "mean TTFT", "p99 TTFT", "mean TPOT", "p99 TPOT",
+         "req/s", "goodput"),
         [(name, s["completed"], s["failed"], f"{s['mean_ttft_ms']:.1f}",
-          f"{s['p99_ttft_ms']:.1f}", f"{s['mean_tpot_ms']:.2f}", f"{s['p99_tpot_ms']:.2f}")
+          f"{s['p99_ttft_ms']:.1f}", f"{s['mean_tpot_ms']:.2f}", f"{s['p99_tpot_ms']:.2f}",
+          f"{s['request_throughput'] or 0:.2f}", f"{s['request_goodput'] or 0:.2f}")
          for name, s in serve.items()])
     text += "\n\n" + _breakdown_text(rows, serve)
     return {"name": "b5_engines", "text": text, "engines_ready_seconds": round(ready, 1),
-            "extra_config": extra,
-            "rows": rows, "serve": serve, "engine_args": list(ENGINE_ARGS)}
+            "model": kind, "eager": eager, "extra_config": extra, "slo": slo,
+            "unloaded": unloaded, "rows": rows, "serve": serve,
+            "engine_args": list(engine_args), "model_config": wide_models.MODELS[kind]}
 
 
 def _breakdown_text(rows: list[dict[str, Any]], serve: dict[str, dict[str, Any]]) -> str:
@@ -188,16 +277,17 @@ def _breakdown_text(rows: list[dict[str, Any]], serve: dict[str, dict[str, Any]]
 
     columns = [(f"{r['prompt_tokens']} tok (n={r['breakdown_requests']})", r["breakdown_ms"])
                for r in rows]
-    pd = serve.get("pd_router", {})
+    pd = serve.get("pd_router@8", {})
     columns.append((f"serve 8/s (n={pd.get('breakdown_requests', 0)})",
                     pd.get("breakdown_ms", {})))
     names = [name for phase, _ in timeline.PHASES
              for name in (phase, *(d for d, _, parent, _ in timeline.DETAILS
                                    if parent == phase))]
-    names.append("total")
+    names += ["total", timeline.SEEDED]
     return report.table(
         "PD time to first byte by phase, median ms (router + decode timelines, one clock); "
-        "every request streamed, so first_token ends at decode's first token",
+        "every request streamed; the first token comes from prefill (client_first_token), "
+        "so first_token and total end at decode's first, the answer's 2nd token",
         ("phase", *(c for c, _ in columns)),
         [(name, *(f"{v.get(name, 0.0):.3f}" for _, v in columns)) for name in names])
 

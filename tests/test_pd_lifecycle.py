@@ -277,3 +277,56 @@ def test_prefill_gone_after_prefill_fails_the_pull_at_once_not_after_the_timeout
         d.shutdown()
 
 
+
+
+def _seeded(i: int) -> dict:
+    return {"do_remote_decode": True, "transfer_id": f"seeded-{i}-{time.monotonic_ns()}",
+            "first_token_seeded": True}
+
+
+@pytest.mark.parametrize("n", [32, 33])  # the seed lands in a new block / inside one
+def test_seeded_first_token_prefill_runs_every_token_and_decode_loads_them_all(n):
+    """Router's first-token mode: prefill computes all N prompt tokens (no N-1 truncation:
+    its sampled token is the true first token) and says so (``remote_num_tokens``);
+    decode, given prompt + [t1], loads those N (state after N tokens included) and
+    computes only t1. Same bytes on both sides."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 2, port, seed=1)
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=2)
+    try:
+        records = pd.run_prefill(p, [n], prefill_params=_seeded)
+        rec = next(iter(records.values()))
+        assert rec["params"]["remote_num_tokens"] == n
+        rec["tokens"] = n + 1  # prompt + [t1]
+        pd.run_decode(p, d, records)
+        send = next(iter(p.send_tasks.values()))
+        assert len(send.block_ids[0]) == -(-n // 16)  # every prompt token's KV is held
+        assert d.recv_tasks[rec["d_req"]].num_tokens == n
+        assert _check_bytes(p, d, records, "SD") > 0
+        assert rec["d_req"] in pd.finished_ids(d)
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_decode_refuses_state_after_another_token_count_and_computes_locally():
+    """A seeded prefill holds the state after N tokens; a decode request of N tokens
+    (not seeded: it would need the state after N-1) must not load it: it computes the
+    prompt itself and prefill is told to free the blocks, nothing pulled."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, seed=1)
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=2)
+    try:
+        records = pd.run_prefill(p, [33], prefill_params=_seeded)
+        pd.run_decode(p, d, records)
+        rec = next(iter(records.values()))
+        assert rec["d_req"] not in d.recv_tasks
+        assert rec["d_req"] in pd.finished_ids(d)
+        assert sum(w.stats["send_bytes"] for w in p.workers) == 0
+        pd.assert_idle(p)
+        pd.assert_idle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -33,8 +33,10 @@ class Deployment:
     def __init__(self, workdir: Path, kind: str = "sliding", dtype: str = "float32",
                  engine_args: tuple[str, ...] = (), cpu_isa: str = "vec",
                  max_model_len: int = 1024, by_name: bool = False,
-                 decode_args: tuple[str, ...] = ()) -> None:
-        model = demo_model.write_model(workdir / "model", kind)
+                 decode_args: tuple[str, ...] = (), model: Path | None = None) -> None:
+        """``model``: a model directory already written (B5's real-width models), else
+        the demo model of ``kind``."""
+        model = model or demo_model.write_model(workdir / "model", kind)
         self.side = rs.free_port()
         self.prefill, self.decode, self.router = demo_run.deployment(
             sys.executable, model, workdir, rs.free_port(), rs.free_port(), rs.free_port(),

@@ -41,6 +41,9 @@ class Upstream:
     cut_stream_after: int | None = None  # chunks, then the connection drops
     raw_body: bytes | None = None  # answer 200 with exactly these bytes (not JSON, say)
     prompt_ids: Any = None  # prefill: choices[0].prompt_token_ids when return_token_ids
+    token_ids: Any = None  # choices[0].token_ids (the output's) when return_token_ids
+    finish_reason: str = "length"
+    usage: Any = None  # the answer's usage (streams: a last event when include_usage)
     seen: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     port: int = 0
@@ -90,11 +93,20 @@ def _app(up: Upstream) -> FastAPI:
                         raise RuntimeError("stand-in decode dies mid-stream")
                     chunk = {"choices": [{"index": 0, "text": word}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
+                if up.usage is not None and (body.get("stream_options") or {}).get(
+                        "include_usage"):
+                    yield f"data: {json.dumps({'choices': [], 'usage': up.usage})}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        out = {"choices": [{"index": 0, "text": up.text, "finish_reason": "length"}]}
+        out: dict[str, Any] = {"id": f"cmpl-{up.role}", "created": 1, "model": "demo",
+                               "choices": [{"index": 0, "text": up.text,
+                                            "finish_reason": up.finish_reason}]}
+        if up.usage is not None:
+            out["usage"] = up.usage
         if body.get("return_token_ids") and up.prompt_ids is not None:
             out["choices"][0]["prompt_token_ids"] = up.prompt_ids  # as vLLM answers it
+        if body.get("return_token_ids") and up.token_ids is not None:
+            out["choices"][0]["token_ids"] = up.token_ids
         if up.role == "prefill" and up.return_params:
             out["kv_transfer_params"] = up.params(body)
         return out

@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.probe import optional
+from vllm_flagcx.wire.params import seeds_first_token
 
 TRUNCATED_KEY = "_flagcx_p_side_truncated"
 
@@ -25,11 +26,21 @@ def conv_state_layout() -> str:
     return "DS" if optional("is_conv_state_dim_first")() else "SD"
 
 
-def remote_prefill_token_count(num_prompt_tokens: int, has_mamba: bool) -> int:
-    """Tokens decode asks prefill for: N, or N-1 when Mamba/GDN groups exist."""
-    if has_mamba and num_prompt_tokens > 1:
-        return num_prompt_tokens - 1
-    return num_prompt_tokens
+def remote_prefill_token_count(num_prompt_tokens: int, has_mamba: bool,
+                               held: int | None = None) -> int | None:
+    """Tokens decode loads from prefill: N, or N-1 when Mamba/GDN groups exist, and never
+    more than the ``held`` tokens prefill says it computed.
+
+    Decode seeded with prefill's first token holds N + 1 prompt tokens, prefill held N:
+    decode loads N and computes only the seed. A recurrent state is the state after
+    exactly ``held`` tokens, so with Mamba/GDN groups anything but an exact match is
+    None: nothing can be loaded, decode computes the prompt itself."""
+    wanted = num_prompt_tokens - 1 if has_mamba and num_prompt_tokens > 1 else num_prompt_tokens
+    if held is None:
+        return wanted
+    if has_mamba:
+        return wanted if wanted == held else None
+    return min(wanted, held)
 
 
 def truncate_for_prefill(request: Any, hash_block_size: int | None = None) -> bool:
@@ -40,8 +51,9 @@ def truncate_for_prefill(request: Any, hash_block_size: int | None = None) -> bo
     a later prefix-cache lookup cannot match a block holding a token that was never run.
     """
     params = request.kv_transfer_params
-    if params is None or params.get(TRUNCATED_KEY) or request.num_prompt_tokens <= 1:
-        return False
+    if (params is None or params.get(TRUNCATED_KEY) or request.num_prompt_tokens <= 1
+            or seeds_first_token(params)):
+        return False  # seeded: decode continues from prompt + [t1] (wire.params)
     if request.prompt_token_ids is not None:
         request.prompt_token_ids.pop()
     elif getattr(request, "prompt_embeds", None) is not None:

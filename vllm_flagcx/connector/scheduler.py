@@ -5,7 +5,8 @@ asynchronously (N-1 with Mamba/GDN groups: decode recomputes the last token to d
 state after it). The blocks allocated for them, per KV cache group, go to the workers.
 
 Prefill side (``do_remote_decode``): a Mamba model's request is truncated by one token
-(once, also under preemption); when it finishes, its blocks are held (``True`` from
+(once, also under preemption) unless decode continues from prefill's first token
+(``first_token_seeded``: decode gets prompt + [t1] and loads the whole prompt); when it finishes, its blocks are held (``True`` from
 ``request_finished_all_groups``) until the workers report the send done or the lease
 expired, and the returned ``kv_transfer_params`` carry what decode needs.
 
@@ -156,8 +157,15 @@ class SchedulerHalf:
         remote = self._remote(request)
         if remote is None:
             return 0, False
-        wanted = compat_mamba.remote_prefill_token_count(request.num_prompt_tokens,
-                                                         self.has_mamba)
+        wanted = compat_mamba.remote_prefill_token_count(
+            request.num_prompt_tokens, self.has_mamba, remote.remote_num_tokens)
+        if wanted is None:
+            # prefill's recurrent state is after another token count than decode can use:
+            # computed here, and prefill is told to free its blocks (update_state_after_alloc)
+            logger.warning("request %s: prefill holds the state after %s prompt tokens, "
+                           "this request has %d; computing it locally", request.request_id,
+                           remote.remote_num_tokens, request.num_prompt_tokens)
+            return 0, False
         count = wanted - num_computed_tokens
         self.loads.match(request.request_id, request, remote, num_computed_tokens)
         if count > 0:
@@ -236,7 +244,8 @@ class SchedulerHalf:
             transfer_id=transfer_id, host=self.settings.side_channel_host,
             port=self.settings.side_channel_port, tp_size=self.settings.tp_size,
             engine_id=self.settings.engine_id,
-            block_sizes=tuple(g.block_size for g in self.groups))
+            block_sizes=tuple(g.block_size for g in self.groups),
+            num_tokens=request.num_prompt_tokens)
         if not any(ids):
             return False, out
         task = SendTask(request.request_id, TransferId(transfer_id), ids,

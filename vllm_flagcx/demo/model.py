@@ -226,12 +226,18 @@ def write_model(directory: Path, kind: str = "sliding") -> Path:
 
     save_file(weights(model_config(kind)), str(directory / "model.safetensors"),
               metadata={"format": "pt"})
+    write_tokenizer(directory)
+    (directory / "config.json").write_text(config)
+    return directory
+
+
+def write_tokenizer(directory: Path, max_length: int = 4096) -> None:
+    """The demo's tokenizer and generation config into ``directory`` (B5's real-width
+    models share them, with their own ``max_length``)."""
     (directory / "tokenizer.json").write_text(_tokenizer_json())
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-        "eos_token": "</s>", "model_max_length": 4096, "add_bos_token": False,
+        "eos_token": "</s>", "model_max_length": max_length, "add_bos_token": False,
         "clean_up_tokenization_spaces": False}, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 0, "eos_token_id": 1}))
-    (directory / "config.json").write_text(config)
-    return directory

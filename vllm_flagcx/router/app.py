@@ -116,7 +116,7 @@ def build_app(proxy: Proxy) -> FastAPI:
         if flow is None:  # counted by proxy.start
             return Response(status_code=499)
         if body.get("stream"):
-            return StreamingResponse(flow.stream(), media_type="text/event-stream")
+            return StreamingResponse(flow.stream(body), media_type="text/event-stream")
         try:
             result = await _or_disconnect(request, flow.json())
         except LegError as exc:

@@ -44,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
                    help="sequential /v1/completions: send decode the prompt's text, not the "
                         "token ids prefill computed it as (the default saves decode a "
                         "second tokenization on the first token's path)")
+    p.add_argument("--no-first-token", dest="first_token", action="store_false",
+                   help="sequential /v1/completions: decode computes the first token "
+                        "again instead of continuing from prefill's (the default sends "
+                        "prefill's first token to the client at once)")
     return p
 
 
@@ -69,7 +73,8 @@ def build(args: argparse.Namespace) -> FastAPI:
                               prefill_timeout=args.prefill_timeout,
                               decode_timeout=args.decode_timeout, key=key,
                               log_timelines=args.log_timelines,
-                              prompt_token_ids=args.prompt_token_ids)
+                              prompt_token_ids=args.prompt_token_ids,
+                              first_token=args.first_token)
     return build_app(Proxy(prefill, decode, settings))
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from vllm_flagcx.router import first_token
 from vllm_flagcx.router.legs import LegError, sse_error
 from vllm_flagcx.router.pool import Instance
 from vllm_flagcx.wire import timeline
@@ -37,6 +38,8 @@ class Flow:
     _closing: asyncio.Future | None = None
     # wire.timeline's t_* readings of this request (time.monotonic(), the clock rule)
     marks: dict[str, float] = field(default_factory=dict)
+    seed: first_token.FirstToken | None = None  # prefill's first token, sent first
+    whole_answer: bool = False  # ... and it is the whole answer: no decode leg
 
     def first_byte(self) -> None:
         """Decode's first body byte reached the router: log the request's timeline."""
@@ -88,6 +91,9 @@ class Flow:
             await self.prefill_task
 
     async def json(self) -> tuple[int, Any]:
+        if self.whole_answer:
+            assert self.seed is not None
+            return 200, self.seed.completion()
         assert self.response is not None and self.instance is not None
         try:
             data = await self.response.aread()
@@ -110,14 +116,28 @@ class Flow:
                            f"answered 200 with a body that is not JSON: {data[:200]!r}"
                            ) from None
         self.instance.served += 1
+        if self.seed is not None and isinstance(parsed, dict):
+            parsed = first_token.completion(parsed, self.seed)
         return 200, parsed
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """Decode's SSE bytes as they come; an error event if decode dies midway."""
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Decode's SSE bytes as they come, after prefill's first token where it was
+        seeded (usage moved to count it as generated); an error event if decode dies
+        midway."""
+        if self.seed is not None:
+            self.marks["t_seed"] = time.monotonic()
+            if self.whole_answer:
+                for event in self.seed.whole_stream(body):
+                    yield event
+                return
+            yield self.seed.event()
         assert self.response is not None and self.instance is not None
         instance = self.instance
+        chunks = self.response.aiter_raw()
+        if self.seed is not None and first_token.wants_usage(body):
+            chunks = first_token.usage_moved(chunks)
         try:
-            async for chunk in self.response.aiter_raw():
+            async for chunk in chunks:
                 self.first_byte()
                 yield chunk
             await self.check_prefill()

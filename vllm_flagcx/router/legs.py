@@ -50,6 +50,9 @@ class RouterSettings:
     log_timelines: bool = False  # one wire.timeline line per request at INFO (else DEBUG)
     # sequential /v1/completions: decode gets the prompt as prefill's token ids, not text
     prompt_token_ids: bool = True
+    # sequential: prefill's first token goes to the client, decode continues from it
+    # (router.first_token, where it applies)
+    first_token: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("sequential", "concurrent"):

@@ -3,7 +3,8 @@
 Sequential (default): prefill gets the request with ``max_tokens=1`` and
 ``kv_transfer_params={"do_remote_decode": true, "transfer_id": <minted here>}``; what it
 returns in ``kv_transfer_params`` (host, exact side-channel port, TP size, engine id) goes
-unchanged to decode with the client's original request. Concurrent: both legs start at
+unchanged to decode with the client's original request. Where ``first_token.applies``,
+prefill's token goes to the client at once and decode continues from prompt + [t1]. Concurrent: both legs start at
 once; decode's pull waits at prefill's side channel until prefill finished (the router
 learns the prefill's engine id and TP size once, by the connector's own handshake).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from vllm_flagcx.router import first_token
 from vllm_flagcx.router.flow import Flow
 from vllm_flagcx.router.legs import (
     LegError,
@@ -60,20 +62,17 @@ class Proxy:
         self._sheets: dict[str, tuple[str, int, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ legs
-    async def run_prefill(self, path: str, body: dict[str, Any], transfer_id: str,
-                          marks: dict[str, float] | None = None, want_prompt_ids: bool = False
-                          ) -> tuple[Instance, dict[str, Any] | None, list[int] | None]:
-        """The prefill leg: (its instance, the ``kv_transfer_params`` it returned, the
-        prompt's token ids when ``want_prompt_ids`` and it returned them)."""
+    async def run_prefill(self, path: str, leg: dict[str, Any], transfer_id: str,
+                          marks: dict[str, float] | None = None
+                          ) -> tuple[Instance, dict[str, Any]]:
+        """The prefill leg (``leg``: its request body): its instance and its answer."""
         instance = self.prefill.pick()
         instance.in_flight += 1
         started = time.monotonic()
         if marks is not None:
             marks["t_prefill_sent"] = started
         try:
-            response = await self.client.post(instance.url + path,
-                                              json=prefill_body(body, transfer_id,
-                                                                want_prompt_ids),
+            response = await self.client.post(instance.url + path, json=leg,
                                               timeout=self.settings.prefill_timeout)
         except httpx.TimeoutException as exc:
             instance.failed += 1
@@ -100,18 +99,22 @@ class Proxy:
             instance.failed += 1
             raise
         instance.served += 1
+        return instance, answer
+
+    def held_params(self, instance: Instance, answer: dict[str, Any], transfer_id: str
+                    ) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` prefill returned for decode, or None (counted and
+        logged: decode then computes the prompt itself)."""
         params = answer.get("kv_transfer_params")
-        if not params:
-            # Prefill holds nothing (not a kv_producer, or nothing to send): decode computes
-            # the prompt itself. Counted, so a misconfigured prefill is visible in /stats.
-            self.counters["decode_recomputed"] += 1
-            logger.warning("prefill %s returned no kv_transfer_params for %s; decode "
-                           "recomputes the prompt (is it started with kv_role=kv_producer?)",
-                           instance.url, transfer_id)
-        ids = prompt_token_ids(answer) if want_prompt_ids else None
-        if ids is not None:
-            self.counters["decode_prompt_ids"] += 1
-        return instance, params, ids
+        if isinstance(params, dict) and params:
+            return params
+        # Prefill holds nothing (not a kv_producer, or nothing to send): decode computes
+        # the prompt itself. Counted, so a misconfigured prefill is visible in /stats.
+        self.counters["decode_recomputed"] += 1
+        logger.warning("prefill %s returned no kv_transfer_params for %s; decode "
+                       "recomputes the prompt (is it started with kv_role=kv_producer?)",
+                       instance.url, transfer_id)
+        return None
 
     async def concurrent_params(self, instance: Instance, transfer_id: str) -> dict[str, Any]:
         """Decode's params before prefill answered, from the prefill's own fact sheet."""
@@ -205,18 +208,18 @@ class Proxy:
         flow = Flow(self, transfer_id=f"flagcx-{uuid.uuid4().hex}")
         flow.marks["t_in"] = time.monotonic()
         try:
-            prompt_ids = None  # concurrent: decode starts before prefill's answer
             if self.settings.mode == "concurrent":
                 p_instance = self.prefill.pick()
                 flow.params = await self.concurrent_params(p_instance, flow.transfer_id)
-                flow.prefill_task = asyncio.create_task(
-                    self.run_prefill(path, body, flow.transfer_id, flow.marks))
+                flow.prefill_task = asyncio.create_task(self.run_prefill(
+                    path, prefill_body(body, flow.transfer_id), flow.transfer_id,
+                    flow.marks))
+                decode_leg, prompt_ids = body, None
             else:
-                want = self.settings.prompt_token_ids and prompt_ids_apply(path, body)
-                p_instance, flow.params, prompt_ids = await self.run_prefill(
-                    path, body, flow.transfer_id, flow.marks, want)
-                check_advertised(p_instance, self.decode.instances, flow.params)
-            flow.instance, flow.response = await self.open_decode(path, body, flow.params,
+                decode_leg, prompt_ids = await self._sequential_prefill(path, body, flow)
+                if flow.whole_answer:
+                    return flow  # prefill's token is the whole answer: no decode leg
+            flow.instance, flow.response = await self.open_decode(path, decode_leg, flow.params,
                                                                   flow.marks, prompt_ids)
             if flow.prefill_task is not None:
                 flow.watch_prefill()
@@ -232,3 +235,31 @@ class Proxy:
             await flow.abandon()
             raise
         return flow
+
+    async def _sequential_prefill(self, path: str, body: dict[str, Any], flow: Flow
+                                  ) -> tuple[dict[str, Any], list[int] | None]:
+        """Prefill's leg, then what decode is sent: (its body, the prompt's token ids to
+        put in it). With the first token seeded (``first_token``), decode's body already
+        holds prompt + [t1]; a t1 that ends the answer sets ``flow.whole_answer``."""
+        seeded = self.settings.first_token and first_token.applies(path, body)
+        want_ids = seeded or (self.settings.prompt_token_ids and prompt_ids_apply(path, body))
+        leg = (first_token.prefill_body(body, flow.transfer_id) if seeded
+               else prefill_body(body, flow.transfer_id, want_ids))
+        p_instance, answer = await self.run_prefill(path, leg, flow.transfer_id, flow.marks)
+        ids = prompt_token_ids(answer) if want_ids else None
+        seed = first_token.first_token(answer) if seeded and ids is not None else None
+        if seed is not None and seed.is_whole_answer(body):
+            flow.seed, flow.whole_answer = seed, True
+            self.counters["first_token_whole_answers"] += 1
+            params = answer.get("kv_transfer_params")
+            await self.release(params if isinstance(params, dict) else None)
+            return body, None
+        flow.params = self.held_params(p_instance, answer, flow.transfer_id)
+        check_advertised(p_instance, self.decode.instances, flow.params)
+        if ids is not None:
+            self.counters["decode_prompt_ids"] += 1
+        if seed is None:
+            return body, ids
+        flow.seed = seed
+        self.counters["first_token_seeded"] += 1
+        return first_token.decode_body(body, ids, seed), None

@@ -32,6 +32,9 @@ class RemotePrefill:
     remote_engine_id: str
     remote_block_sizes: tuple[int, ...]
     test_fault: str = ""  # connector.fault_knobs (tests only; checked by the worker)
+    # prompt tokens whose KV (and recurrent state) prefill holds; None from peers and
+    # routers that predate it (concurrent mode: not known before prefill ran)
+    remote_num_tokens: int | None = None
 
 
 def _require(params: Mapping[str, Any], key: str, kind: type, fix: str) -> Any:
@@ -95,15 +98,24 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
             isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
         raise TransferParamsError("kv_transfer_params.remote_block_sizes must be a list of "
                                   f"positive ints, got {sizes!r}; {_FROM_PREFILL}")
+    held = params.get(NUM_TOKENS)
+    if held is not None and (type(held) is not int or held < 1):
+        raise TransferParamsError(f"kv_transfer_params.{NUM_TOKENS} must be an int >= 1, "
+                                  f"got {held!r}; {_FROM_PREFILL}")
     fault = params.get("flagcx_test_fault", "")
     if not isinstance(fault, str):
         raise TransferParamsError("kv_transfer_params.flagcx_test_fault must be a string "
                                   "(tests only)")
-    return RemotePrefill(transfer_id, host, port, tp, engine, tuple(sizes), fault)
+    return RemotePrefill(transfer_id, host, port, tp, engine, tuple(sizes), fault, held)
 
 
 REMOTE_PREFILL = "do_remote_prefill"  # decode: load this request's KV from prefill
 REMOTE_DECODE = "do_remote_decode"  # prefill: hold this request's KV for a decode
+NUM_TOKENS = "remote_num_tokens"  # prefill -> decode: the prompt tokens it holds KV for
+# router -> prefill: decode will continue from prompt + [prefill's first token], so
+# prefill computes every prompt token (no Mamba N-1 truncation): its sampled token is the
+# true first token and the state it holds is the one after the whole prompt
+FIRST_TOKEN_SEEDED = "first_token_seeded"
 
 
 def wants_remote_prefill(params: Mapping[str, Any]) -> bool:
@@ -119,16 +131,27 @@ def mark_loaded(params: MutableMapping[str, Any]) -> None:
     params[REMOTE_PREFILL] = False
 
 
-def prefill_leg_params(transfer_id: str) -> dict[str, Any]:
-    """What the router sends prefill: hold the KV under ``transfer_id``."""
-    return {REMOTE_DECODE: True, REMOTE_PREFILL: False, "transfer_id": transfer_id}
+def seeds_first_token(params: Mapping[str, Any]) -> bool:
+    return params.get(FIRST_TOKEN_SEEDED) is True
+
+
+def prefill_leg_params(transfer_id: str, seeded: bool = False) -> dict[str, Any]:
+    """What the router sends prefill: hold the KV under ``transfer_id``; ``seeded``:
+    decode continues from prefill's first token (``FIRST_TOKEN_SEEDED``)."""
+    out: dict[str, Any] = {REMOTE_DECODE: True, REMOTE_PREFILL: False,
+                           "transfer_id": transfer_id}
+    if seeded:
+        out[FIRST_TOKEN_SEEDED] = True
+    return out
 
 
 def remote_prefill_params(*, transfer_id: str, host: str, port: int, tp_size: int,
-                          engine_id: str, block_sizes: tuple[int, ...]) -> dict[str, Any]:
+                          engine_id: str, block_sizes: tuple[int, ...],
+                          num_tokens: int | None = None) -> dict[str, Any]:
     """What prefill returns for decode (``request_finished_all_groups``); the router's
-    concurrent mode builds the same from prefill's fact sheet before prefill answers."""
-    return {
+    concurrent mode builds the same from prefill's fact sheet before prefill answers
+    (without ``num_tokens``: prefill has not run yet)."""
+    out: dict[str, Any] = {
         REMOTE_PREFILL: True,
         REMOTE_DECODE: False,
         "transfer_id": transfer_id,
@@ -138,3 +161,6 @@ def remote_prefill_params(*, transfer_id: str, host: str, port: int, tp_size: in
         "remote_engine_id": engine_id,
         "remote_block_sizes": list(block_sizes),
     }
+    if num_tokens is not None:
+        out[NUM_TOKENS] = num_tokens
+    return out

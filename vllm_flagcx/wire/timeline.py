@@ -59,6 +59,10 @@ DETAILS: tuple[tuple[str, str, str, str], ...] = (
     ("verify.bytes", "d_bytes_check", "verify", "of which the byte sample's check"),
 )
 
+# not a phase: when the router sent the client prefill's first token, decode's first byte
+# above is the answer's second token, and this is the client's time to its first
+SEEDED = "client_first_token"
+
 _LINE = re.compile(rf"{MARK} side=(router|decode) transfer=(\S+)((?: \w+=\S+)*)")
 
 
@@ -123,6 +127,8 @@ def breakdown(router: Mapping[str, float], decode: Mapping[str, float]) -> dict[
         "first_token": r["t_first_byte"] - d["t_reported"],
     }
     phases["total"] = r["t_first_byte"] - r["t_in"]
+    if "t_seed" in r:  # prefill's token went to the client first (router.first_token)
+        phases[SEEDED] = r["t_seed"] - r["t_in"]
     return phases
 
 
@@ -159,4 +165,7 @@ def table(medians: Mapping[str, float], count: int) -> str:
         rows += [f"    {name.partition('.')[2]:<13} {medians[name]:9.3f}           {part}"
                  for name, _, parent, part in DETAILS if parent == phase and name in medians]
     rows.append(f"  {'total':<15} {total:9.3f}  (medians of phases need not sum to it)")
+    if SEEDED in medians:
+        rows.append(f"  {SEEDED:<15} {medians[SEEDED]:9.3f}  the client's first token came "
+                    "from prefill; the total above is decode's first (the 2nd token)")
     return "\n".join(rows)
