@@ -200,9 +200,8 @@ def run(quick: bool) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
     import engines
 
-    from vllm_flagcx.demo import servers as sv
-
     from benchmarks import wide_models
+    from vllm_flagcx.demo import servers as sv
 
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     kind = os.environ.get(MODEL_ENV, "hybrid-wide")

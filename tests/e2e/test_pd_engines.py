@@ -111,6 +111,9 @@ def test_time_to_first_byte_breakdown_from_the_product_timelines(pd, capsys):
         assert tid in lines["decode"], f"decode logged no timeline for {tid}"
         phases = timeline.breakdown(router_line, lines["decode"][tid])
         total = phases.pop("total")
+        # the client's first token is prefill's (router.first_token), before decode's
+        assert phases.pop(timeline.SEEDED) < phases["prefill_leg"] + phases["router_in"] \
+            + phases["router_between"] + 1e-3 < total
         assert all(v >= -1e-5 for v in phases.values()), phases
         assert abs(sum(phases.values()) - total) < 1e-4
     with capsys.disabled():
@@ -195,3 +198,120 @@ def test_decode_killed_errors_releases_prefill_and_recovers_after_restart(pd):
 
 def test_negative_control_corrupted_or_missing_kv_changes_the_answer(pd):
     assert_corrupted_kv_changes_the_answer(pd, PROMPTS)
+
+
+def _streamed(url: str, body: dict) -> tuple[list[dict], list[float]]:
+    """A streamed completion's events (``[DONE]`` seen) and when each arrived (s)."""
+    started, stamps = time.monotonic(), []
+    with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                      json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                stamps.append(time.monotonic() - started)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    return [json.loads(x[6:]) for x in lines[:-1]], stamps[:-1]
+
+
+def _answer(url: str, body: dict, stream: bool) -> tuple[str, str | None, dict | None]:
+    """(text, finish reason, usage) of a completion, streamed or not."""
+    if not stream:
+        r = httpx.post(url + "/v1/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["finish_reason"], r.json().get("usage")
+    events, _ = _streamed(url, body)
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    finish = [c["finish_reason"] for e in events for c in e.get("choices", [])
+              if c.get("finish_reason")]
+    usage = [e["usage"] for e in events if e.get("usage")]
+    return text, (finish or [None])[-1], (usage or [None])[-1]
+
+
+def _first_token_cases(pd) -> list[tuple[str, dict, bool]]:
+    """Each case the first-token mode must answer exactly as one engine: the monolithic
+    first token as a stop token (prefill's answer is the whole answer), max_tokens 1,
+    min_tokens, a token-id prompt, usage in the stream and in the JSON."""
+    prompt = PROMPTS[2]
+    t1 = httpx.post(pd.prefill.url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "return_token_ids": True}).json()["choices"][0]["token_ids"][0]
+    ids = httpx.post(pd.prefill.url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": PROMPTS[0], "max_tokens": 1, "return_token_ids": True,
+    }).json()["choices"][0]["prompt_token_ids"]
+    base = {"model": "demo", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    usage = {"stream_options": {"include_usage": True}}
+    return [("plain", base, False), ("plain streamed", base | usage, True),
+            ("t1 is a stop token", base | {"stop_token_ids": [t1]}, False),
+            ("t1 is a stop token, streamed", base | {"stop_token_ids": [t1]} | usage, True),
+            ("max_tokens 1", base | {"max_tokens": 1}, False),
+            ("max_tokens 2, streamed", base | {"max_tokens": 2} | usage, True),
+            ("min_tokens 5", base | {"min_tokens": 5, "max_tokens": 6}, False),
+            ("token-id prompt", base | {"prompt": ids}, False),
+            ("greedy with a seed", base | {"seed": 11}, True)]
+
+
+def test_first_token_from_prefill_answers_every_case_as_one_engine(pd):
+    """Through the router (the first token from prefill, decode continuing from
+    prompt + [t1]) each case's text, finish reason and usage equal prefill's own answer
+    as a plain engine; the seeded cases moved KV."""
+    before = sv.get_text(pd.router.url + "/stats")
+    for name, body, stream in _first_token_cases(pd):
+        got = _answer(pd.router.url, body, stream)
+        want = _answer(pd.prefill.url, body, stream)
+        assert got == want, (name, got, want)
+    stats = json.loads(sv.get_text(pd.router.url + "/stats"))["counters"]
+    assert stats.get("first_token_seeded", 0) - json.loads(before)["counters"].get(
+        "first_token_seeded", 0) >= 5
+    assert stats.get("first_token_whole_answers", 0) >= 3
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+def test_negative_control_a_wrong_first_token_changes_the_answer(pd):
+    """The legs by hand with t1 replaced by another token: the answer after it must
+    differ from the monolithic one for every prompt (else the check above could not
+    tell decode continuing from the right token from any other)."""
+    import dataclasses
+
+    from vllm_flagcx.router import first_token
+
+    for i, prompt in enumerate(PROMPTS):
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        leg = httpx.post(pd.prefill.url + "/v1/completions", timeout=120,
+                         json=first_token.prefill_body(body, f"wrong-t1-{i}")).json()
+        seed = first_token.first_token(leg)
+        assert seed is not None, leg
+        wrong = dataclasses.replace(seed, token_id=(seed.token_id + 7) % 500)
+        ids = leg["choices"][0]["prompt_token_ids"]
+        r = httpx.post(pd.decode.url + "/v1/completions", timeout=120, json=legs.decode_body(
+            first_token.decode_body(body, ids, wrong), leg["kv_transfer_params"]))
+        mono = complete(pd.prefill.url, prompt, max_tokens=12).json()["choices"][0]["text"]
+        assert seed.text + r.json()["choices"][0]["text"] != mono, prompt
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+def test_pd_and_monolithic_first_and_second_token_on_cpu_engines(pd, capsys):
+    """What CI prints on every run: PD's time to the first and the second token against
+    the monolithic engine's (streamed, one request at a time, median of the demo
+    prompts). The first token is prefill's, so it must arrive before decode's (the 2nd)."""
+    import statistics
+
+    rows = {"pd": [], "mono": []}
+    for prompt in PROMPTS:
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        for side, url in (("pd", pd.router.url), ("mono", pd.prefill.url)):
+            _, stamps = _streamed(url, body)
+            rows[side].append(stamps[:2])
+    med = {side: [statistics.median(s[i] for s in got) * 1e3 for i in (0, 1)]
+           for side, got in rows.items()}
+    with capsys.disabled():
+        print(f"\nCPU engines, median ms: TTFT PD {med['pd'][0]:.1f} mono {med['mono'][0]:.1f} "
+              f"(PD - mono {med['pd'][0] - med['mono'][0]:+.1f}); 2nd token PD "
+              f"{med['pd'][1]:.1f} mono {med['mono'][1]:.1f} "
+              f"(PD - mono {med['pd'][1] - med['mono'][1]:+.1f})")
+    assert all(first < second for first, second in rows["pd"])

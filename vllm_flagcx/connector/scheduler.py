@@ -6,9 +6,10 @@ state after it). The blocks allocated for them, per KV cache group, go to the wo
 
 Prefill side (``do_remote_decode``): a Mamba model's request is truncated by one token
 (once, also under preemption) unless decode continues from prefill's first token
-(``first_token_seeded``: decode gets prompt + [t1] and loads the whole prompt); when it finishes, its blocks are held (``True`` from
-``request_finished_all_groups``) until the workers report the send done or the lease
-expired, and the returned ``kv_transfer_params`` carry what decode needs.
+(``first_token_seeded``: decode gets prompt + [t1] and loads the whole prompt); when it
+finishes, its blocks are held (``True`` from ``request_finished_all_groups``) until the
+workers report the send done or the lease expired, and the returned
+``kv_transfer_params`` carry what decode needs.
 
 A decode request aborted before its KV arrived sends a release to prefill, so prefill frees
 its blocks now instead of at lease expiry. Prefill's first lease is short

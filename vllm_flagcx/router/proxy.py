@@ -4,9 +4,10 @@ Sequential (default): prefill gets the request with ``max_tokens=1`` and
 ``kv_transfer_params={"do_remote_decode": true, "transfer_id": <minted here>}``; what it
 returns in ``kv_transfer_params`` (host, exact side-channel port, TP size, engine id) goes
 unchanged to decode with the client's original request. Where ``first_token.applies``,
-prefill's token goes to the client at once and decode continues from prompt + [t1]. Concurrent: both legs start at
-once; decode's pull waits at prefill's side channel until prefill finished (the router
-learns the prefill's engine id and TP size once, by the connector's own handshake).
+prefill's token goes to the client at once and decode continues from prompt + [t1].
+Concurrent: both legs start at once; decode's pull waits at prefill's side channel until
+prefill finished (the router learns the prefill's engine id and TP size once, by the
+connector's own handshake).
 
 A failed leg reaches the client as an HTTP error naming the instance (never a hang, never
 a 200 with empty text). A client that goes away cancels both legs (vLLM aborts a request
@@ -258,7 +259,7 @@ class Proxy:
         check_advertised(p_instance, self.decode.instances, flow.params)
         if ids is not None:
             self.counters["decode_prompt_ids"] += 1
-        if seed is None:
+        if seed is None or ids is None:
             return body, ids
         flow.seed = seed
         self.counters["first_token_seeded"] += 1
