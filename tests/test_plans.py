@@ -332,3 +332,20 @@ def test_a_table_given_the_spans_names_each_descriptors_span_and_the_check_gathe
     # without the spans the table names nothing, as before
     assert plans.build_table(p_side, d_side, RankPair(0, 1, 0, 1)).plan(
         [[5], [3]], [[1], [4]], kernel_ratios=[2, 1]).dst_span is None
+
+
+@pytest.mark.parametrize("length", [1 << 63, (1 << 64) - 1, (1 << 64) - (1 << 12)])
+@pytest.mark.parametrize("hinted", [False, True])
+def test_check_within_refuses_lengths_whose_end_passes_2_to_the_64(length, hinted):
+    """A length at or past 2**63 turned the old int64 end negative (inside every span);
+    in uint64 an end that wraps past 2**64 - 1 is outside whatever the start."""
+    spans = [(1 << 20, 1 << 16)]
+    start = np.array([1 << 20], dtype=np.uint64)
+    ok = plans.TransferPlan(start, start.copy(), np.array([1 << 16], dtype=np.uint64))
+    bounds.check_within(ok, spans, spans)
+    hint = np.zeros(1, dtype=np.int64) if hinted else None
+    bad = plans.TransferPlan(start, start.copy(), np.array([length], dtype=np.uint64),
+                             hint, hint)
+    with pytest.raises(PlanError, match="descriptor 0: source"):
+        bounds.check_within(bad, spans, spans)
+    assert bounds.first_outside(start, np.array([length], dtype=np.uint64), spans) == 0

@@ -142,16 +142,18 @@ def logical_sample(views: Mapping[str, Any], sender_ids: list[list[int]],
 
 def logical_mismatch(views: Mapping[str, Any], entries: list[LogicalEntry],
                      block_ids: list[list[int]], rank: int, tp: int,
-                     read: Reader | None = None) -> str | None:
+                     read: Reader | None = None, max_keys: int = logical.MAX_KEYS
+                     ) -> str | None:
     """Decode: why the request's bytes are not prefill's (a refused key or the first
-    differing element), or None when every key matches."""
+    differing element), or None when every key matches. ``max_keys``: the keys the
+    replies may carry together (``logical.MAX_KEYS`` per prefill rank that answered)."""
     if not views or not entries:
         return None
     keys = [LogicalKey(str(e[0]), int(e[1]), int(e[2]), int(e[3])) for e in entries]
     facts = {name: v.facts for name, v in views.items()}
     global_heads = next(iter(facts.values())).global_heads
     own = head_range(rank, tp, global_heads)
-    refusal = logical.refuse_keys(keys, facts, block_ids, own)
+    refusal = logical.refuse_keys(keys, facts, block_ids, own, max_keys)
     if refusal is not None:
         return refusal
     names = list(dict.fromkeys(k.layer for k in keys))

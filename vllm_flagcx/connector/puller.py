@@ -28,6 +28,7 @@ from vllm_flagcx.connector.pull_clock import PullClock
 from vllm_flagcx.connector.registration import Registration
 from vllm_flagcx.connector.task_threads import TaskThreads
 from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.layout import logical
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire import params as wire_params
@@ -184,10 +185,17 @@ class Puller:
             total += reply.num_bytes
             descriptors += reply.num_descriptors
             entries += reply.logical
+        if total <= 0 < len(flat):
+            # every rank "succeeded" and nothing moved: the blocks hold whatever they held
+            self._fail_after_release(task, flat, f"{len(senders)} prefill rank(s) answered "
+                                     f"ok with 0 bytes for {len(flat)} blocks: nothing loaded")
+            return
         if self._settings.verify_integrity:
+            # the key cap holds per reply: a pull from k prefill ranks carries k samples
             mismatch = integrity.logical_mismatch(
                 reg.views, entries, [list(g) for g in task.block_ids],
-                self._settings.tp_rank, self._settings.tp_size, reg.read_kv)
+                self._settings.tp_rank, self._settings.tp_size, reg.read_kv,
+                max_keys=len(senders) * logical.MAX_KEYS)
             self._counters.add("integrity_logical_keys", len(entries))
             if mismatch is not None:
                 self._counters.add("integrity_failures")
@@ -243,6 +251,9 @@ class Puller:
         if reply.transfer_id != transfer_id:  # an answer to another pull
             return (f"P rank {p_rank} answered for transfer {reply.transfer_id!r}, not "
                     f"{transfer_id!r}: the reply is not this request's")
+        if len(reply.logical) > logical.MAX_KEYS:
+            return (f"P rank {p_rank}: {len(reply.logical)} logical integrity keys in one "
+                    f"reply, at most {logical.MAX_KEYS} are ever sent")
         checked = self._integrity_checked()
         if checked and reply.num_descriptors and not reply.sample:
             self._counters.add("integrity_failures")

@@ -16,6 +16,21 @@ import numpy as np
 from vllm_flagcx.layout.plans import PlanError, TransferPlan
 
 
+def _ends(addr: np.ndarray, length: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end) per descriptor in uint64, and where ``start + length`` wrapped past
+    2**64 - 1 (an end that cannot be inside any span): no int64 sum that a length >= 2**63
+    turns negative."""
+    a = addr.astype(np.uint64)
+    end = a + length.astype(np.uint64)
+    return a, end, end < a
+
+
+def _spans(spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.asarray([s for s, _ in spans], dtype=np.uint64)
+    return starts, starts + np.asarray([n for _, n in spans], dtype=np.uint64)
+
+
 def first_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[int, int]]
                   ) -> int | None:
     """Index of the first (address, length) not inside one span, else None. ``spans``
@@ -24,11 +39,10 @@ def first_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[in
         return None
     if not spans:
         return 0
-    starts = np.asarray([s for s, _ in spans], dtype=np.int64)
-    ends = starts + np.asarray([n for _, n in spans], dtype=np.int64)
-    a = addr.astype(np.int64)
-    idx = np.searchsorted(starts, a, side="right") - 1
-    bad = (idx < 0) | (a + length.astype(np.int64) > ends[np.maximum(idx, 0)])
+    starts, ends = _spans(spans)
+    a, end, wrapped = _ends(addr, length)
+    idx = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
+    bad = (idx < 0) | wrapped | (end > ends[np.maximum(idx, 0)])
     hits = np.flatnonzero(bad)
     return int(hits[0]) if hits.size else None
 
@@ -39,13 +53,12 @@ def named_outside(addr: np.ndarray, length: np.ndarray, spans: Sequence[tuple[in
     out of range counts as outside). Gathers and compares, no search."""
     if not spans:
         return np.ones(addr.shape, dtype=bool)
-    starts = np.asarray([s for s, _ in spans], dtype=np.int64)
-    ends = starts + np.asarray([n for _, n in spans], dtype=np.int64)
+    starts, ends = _spans(spans)
     idx = np.asarray(named, dtype=np.int64)
     valid = (idx >= 0) & (idx < starts.size)
     idx = np.where(valid, idx, 0)
-    a = addr.astype(np.int64)
-    return ~valid | (a < starts[idx]) | (a + length.astype(np.int64) > ends[idx])
+    a, end, wrapped = _ends(addr, length)
+    return ~valid | wrapped | (a < starts[idx]) | (end > ends[idx])
 
 
 def _first_outside_hinted(addr: np.ndarray, length: np.ndarray,
