@@ -8,7 +8,7 @@ H200 with ``../shared/gpu-vllm``'s bundle::
         python3 -m pytest -m gpu tests/gpu -v
 
 Every pair is started at once (one GPU, ``GPU_MEMORY`` of it each) so the suite fits in a
-device call; ``VLLM_FLAGCX_GPU_CASES=a,b`` starts only those cases. Cases that must give
+device call, in vLLM's default CUDA graph mode (``VLLM_FLAGCX_GPU_EAGER=1``: eager); ``VLLM_FLAGCX_GPU_CASES=a,b`` starts only those cases. Cases that must give
 the monolithic answer token for token, with bytes moved: the sliding + full model on
 FLASH_ATTN (bf16, (2, num_blocks, ...) layout) and TRITON_ATTN (float32, (num_blocks, 2,
 ...) layout), and the Mamba2 hybrid (Nemotron-H layer mix: Mamba2 conv + ssm state with the
@@ -43,8 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from testkit import evidence  # noqa: E402
 
 GPU_MEMORY = "0.1"
+# vLLM's default mode (CUDA graphs, torch.compile) as users run it; VLLM_FLAGCX_GPU_EAGER=1
+# is the --enforce-eager variant (faster engine start)
 COMMON = ("--gpu-memory-utilization", GPU_MEMORY, "--kv-cache-memory-bytes", str(2 << 30),
-          "--enforce-eager")
+          *(("--enforce-eager",) if os.environ.get("VLLM_FLAGCX_GPU_EAGER") == "1" else ()))
 HYBRID_KERNELS = ("--gdn-prefill-backend", "triton", "--moe-backend", "triton")
 CASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sliding-bf16-flash_attn": ("sliding", "bfloat16", ("--attention-backend", "FLASH_ATTN")),
