@@ -8,7 +8,8 @@ H200 with ``../shared/gpu-vllm``'s bundle::
         python3 -m pytest -m gpu tests/gpu -v
 
 Every pair is started at once (one GPU, ``GPU_MEMORY`` of it each) so the suite fits in a
-device call, in vLLM's default CUDA graph mode (``VLLM_FLAGCX_GPU_EAGER=1``: eager); ``VLLM_FLAGCX_GPU_CASES=a,b`` starts only those cases. Cases that must give
+device call, in vLLM's default CUDA graph mode (``VLLM_FLAGCX_GPU_EAGER=1``: eager);
+``VLLM_FLAGCX_GPU_CASES=a,b`` starts only those cases. Cases that must give
 the monolithic answer token for token, with bytes moved: the sliding + full model on
 FLASH_ATTN (bf16, (2, num_blocks, ...) layout) and TRITON_ATTN (float32, (num_blocks, 2,
 ...) layout), and the Mamba2 hybrid (Nemotron-H layer mix: Mamba2 conv + ssm state with the

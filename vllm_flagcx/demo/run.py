@@ -68,13 +68,20 @@ def received(decode: sv.Server) -> tuple[float, float]:
             metric(decode.url, "vllm:flagcx_receive_seconds_total"))
 
 
-def completion(url: str, prompt: str, max_tokens: int) -> tuple[str, float]:
-    started = time.monotonic()
+def completion(url: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+    """(text, tokens generated) of a plain completion."""
     status, body = sv.post_json(url + "/v1/completions", {
         "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     if status != 200:
         raise sv.DemoError(f"{url} answered HTTP {status}: {str(body)[:300]}")
-    return body["choices"][0]["text"], time.monotonic() - started
+    return body["choices"][0]["text"], int(body["usage"]["completion_tokens"])
+
+
+def decode_ran(tokens: int) -> bool:
+    """Does a PD answer of ``tokens`` generated tokens move KV? Not when it ends at its
+    first token (an EOS at once, or max_tokens 1): that token is prefill's, the router
+    answers with it and frees prefill's KV (``router.first_token``)."""
+    return tokens > 1
 
 
 def streamed_completion(url: str, prompt: str, max_tokens: int) -> tuple[str, float, float]:
@@ -302,14 +309,17 @@ def shown(text: str) -> str:
 def _exchange(args: argparse.Namespace, prefill: sv.Server, decode: sv.Server,
               router: sv.Server) -> int:
     rows: list[tuple[str, str, str, bool, float, float, float, float]] = []
+    unmoved: list[str] = []
     same_all = True
     for prompt in PROMPTS:
         before = received(decode)
         pd_text, pd_first, pd_s = streamed_completion(router.url, prompt, args.max_tokens)
         moved, seconds = transfer_after(decode, before)
-        mono_text, _ = completion(prefill.url, prompt, args.max_tokens)
+        mono_text, mono_tokens = completion(prefill.url, prompt, args.max_tokens)
         same = pd_text == mono_text
         same_all &= same
+        if moved <= 0 and decode_ran(mono_tokens):
+            unmoved.append(prompt)
         rows.append((prompt, pd_text, mono_text, same, moved, seconds, pd_first, pd_s))
     print(f"\n{'prompt':<34} {'PD (router -> P -> D)':<26} {'monolithic':<26} same "
           f"{'KV bytes':>9} {'xfer ms':>8} {'1st ms':>7} {'req ms':>7}")
@@ -323,7 +333,8 @@ def _exchange(args: argparse.Namespace, prefill: sv.Server, decode: sv.Server,
         print("warning: the monolithic outputs do not differ between prompts (degenerate "
               "model output), so their equality with PD's shows little")
     print("PD outputs equal the monolithic run's: " + ("yes" if same_all else "NO"))
-    unmoved = [prompt for prompt, _, _, _, moved, *_ in rows if moved <= 0]
+    if not any(moved > 0 for *_, moved, _, _, _ in rows):
+        unmoved.append("(all)")  # every answer ended at its first token: nothing was shown
     if unmoved:
         print(f"FAILED: no KV bytes reached decode for {len(unmoved)} prompt(s) (decode "
               f"computed them itself); see {decode.log} and {prefill.log}")
