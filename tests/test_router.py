@@ -59,6 +59,30 @@ def test_concurrent_mode_learns_prefill_by_handshake_and_sends_both_legs():
     assert d.seen[0]["prompt"] == BODY["prompt"] and "return_token_ids" not in p.seen[0]
 
 
+def test_concurrent_mode_sends_the_prompt_to_the_prefill_decode_pulls_from():
+    """With two prefills, decode's params and prefill's leg name the same instance (the
+    router picked twice: decode pulled from one prefill while the other computed the
+    prompt, waited out the timeout and recomputed)."""
+    with rs.side_channel() as (port1, _), rs.side_channel() as (port2, _), \
+            rs.upstream("prefill", delay=0.2) as p1, rs.upstream("prefill", delay=0.2) as p2, \
+            rs.upstream("decode") as d:
+        p1.side, p2.side = port1, port2
+        with router([p1, p2], [d], mode="concurrent") as (url, _proxy):
+            threads = [threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                        kwargs={"json": BODY, "timeout": 10})
+                       for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    computed_by = {b["kv_transfer_params"]["transfer_id"]: up.side
+                   for up in (p1, p2) for b in up.seen}
+    assert len(d.seen) == 6 and p1.seen and p2.seen
+    for body in d.seen:
+        params = body["kv_transfer_params"]
+        assert computed_by[params["transfer_id"]] == params["remote_port"]
+
+
 def test_least_loaded_instance_is_picked_and_idle_ones_rotate():
     pool = Pool("decode", [Instance("http://127.0.0.1:1", "decode"),
                            Instance("http://127.0.0.1:2", "decode")])

@@ -64,10 +64,12 @@ class Proxy:
 
     # ------------------------------------------------------------------ legs
     async def run_prefill(self, path: str, leg: dict[str, Any], transfer_id: str,
-                          marks: dict[str, float] | None = None
+                          marks: dict[str, float] | None = None,
+                          instance: Instance | None = None
                           ) -> tuple[Instance, dict[str, Any]]:
-        """The prefill leg (``leg``: its request body): its instance and its answer."""
-        instance = self.prefill.pick()
+        """The prefill leg (``leg``: its request body) on ``instance`` (default: the
+        least-loaded prefill): its instance and its answer."""
+        instance = instance or self.prefill.pick()
         instance.in_flight += 1
         started = time.monotonic()
         if marks is not None:
@@ -212,9 +214,11 @@ class Proxy:
             if self.settings.mode == "concurrent":
                 p_instance = self.prefill.pick()
                 flow.params = await self.concurrent_params(p_instance, flow.transfer_id)
+                # the prefill decode's params name: picking again could send the prompt
+                # to another prefill, and decode would wait for KV that never comes
                 flow.prefill_task = asyncio.create_task(self.run_prefill(
                     path, prefill_body(body, flow.transfer_id), flow.transfer_id,
-                    flow.marks))
+                    flow.marks, p_instance))
                 decode_leg, prompt_ids = body, None
             else:
                 decode_leg, prompt_ids = await self._sequential_prefill(path, body, flow)
