@@ -147,3 +147,31 @@ def test_the_cli_turns_it_off():
             router([p], [d], first_token=False) as (url, _):
         httpx.post(url + "/v1/completions", json=SEEDABLE, timeout=10)
     assert d.seen[0]["prompt"] == PROMPT_IDS  # the ids, no t1: decode computes it
+
+
+def test_t1_reaches_the_client_before_decode_answers_and_a_failed_decode_frees_prefill():
+    """The stream starts with t1 as soon as prefill answered, not after decode's headers;
+    a decode leg that then fails ends the stream with an error event naming decode, and
+    prefill's KV is released (decode never took the request)."""
+    import time
+
+    with rs.side_channel() as (port, seen), _prefill() as p, \
+            rs.upstream("decode", delay=1.0, text="late") as slow, \
+            rs.upstream("decode", status=503) as down:
+        p.params = lambda body: {**rs.Upstream.params(p, body), "remote_port": port}
+        with router([p], [slow]) as (url, _):
+            started = time.monotonic()
+            with httpx.stream("POST", url + "/v1/completions",
+                              json=SEEDABLE | {"stream": True}, timeout=10) as r:
+                lines = (ln for ln in r.iter_lines() if ln.startswith("data: "))
+                first = next(lines)
+                first_at = time.monotonic() - started
+                rest = list(lines)
+        assert json.loads(first[6:])["choices"][0]["text"] == " Once" and first_at < 0.8
+        assert json.loads(rest[0][6:])["choices"][0]["text"] == "late"
+        with router([p], [down]) as (url, proxy):
+            events = _events(url, SEEDABLE)
+    assert events[0]["choices"][0]["text"] == " Once"
+    assert "decode" in events[-1]["error"]["message"] and proxy.counters["failed_decode"] == 1
+    assert proxy.counters["released"] == 1
+    assert any(type(m).__name__ == "Release" for m in seen)

@@ -230,11 +230,20 @@ def _answer(url: str, body: dict, stream: bool) -> tuple[str, str | None, dict |
     return text, (finish or [None])[-1], (usage or [None])[-1]
 
 
+def _continued_prompts(pd) -> list[str]:
+    """The demo prompts whose monolithic answer goes on past its first token (the others
+    end with EOS at once: prefill's answer is the whole answer, decode never runs)."""
+    out = [p for p in PROMPTS
+           if complete(pd.prefill.url, p, max_tokens=12).json()["usage"]["completion_tokens"] > 2]
+    assert out, "every demo prompt ends at its first token: no seeded case to check"
+    return out
+
+
 def _first_token_cases(pd) -> list[tuple[str, dict, bool]]:
     """Each case the first-token mode must answer exactly as one engine: the monolithic
     first token as a stop token (prefill's answer is the whole answer), max_tokens 1,
     min_tokens, a token-id prompt, usage in the stream and in the JSON."""
-    prompt = PROMPTS[2]
+    prompt = _continued_prompts(pd)[0]
     t1 = httpx.post(pd.prefill.url + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "return_token_ids": True}).json()["choices"][0]["token_ids"][0]
@@ -271,25 +280,32 @@ def test_first_token_from_prefill_answers_every_case_as_one_engine(pd):
 
 
 def test_negative_control_a_wrong_first_token_changes_the_answer(pd):
-    """The legs by hand with t1 replaced by another token: the answer after it must
-    differ from the monolithic one for every prompt (else the check above could not
-    tell decode continuing from the right token from any other)."""
+    """The legs by hand with t1 replaced by other tokens: the answer after it must differ
+    from the monolithic one for most (prompt, wrong token) pairs, else the check above could
+    not tell decode continuing from the right token from any other. (Not every pair: the
+    toy model's continuation of some prompts, " about about ...", ignores the last token.)"""
     import dataclasses
 
     from vllm_flagcx.router import first_token
 
-    for i, prompt in enumerate(PROMPTS):
+    tried = changed = 0
+    for i, prompt in enumerate(_continued_prompts(pd)):
         body = {"model": "demo", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-        leg = httpx.post(pd.prefill.url + "/v1/completions", timeout=120,
-                         json=first_token.prefill_body(body, f"wrong-t1-{i}")).json()
-        seed = first_token.first_token(leg)
-        assert seed is not None, leg
-        wrong = dataclasses.replace(seed, token_id=(seed.token_id + 7) % 500)
-        ids = leg["choices"][0]["prompt_token_ids"]
-        r = httpx.post(pd.decode.url + "/v1/completions", timeout=120, json=legs.decode_body(
-            first_token.decode_body(body, ids, wrong), leg["kv_transfer_params"]))
         mono = complete(pd.prefill.url, prompt, max_tokens=12).json()["choices"][0]["text"]
-        assert seed.text + r.json()["choices"][0]["text"] != mono, prompt
+        for shift in (7, 101, 233):
+            leg = httpx.post(pd.prefill.url + "/v1/completions", timeout=120,
+                             json=first_token.prefill_body(body, f"wrong-t1-{i}-{shift}")).json()
+            seed = first_token.first_token(leg)
+            assert seed is not None and leg["kv_transfer_params"], leg
+            wrong = dataclasses.replace(seed, token_id=2 + (seed.token_id + shift) % 498)
+            ids = leg["choices"][0]["prompt_token_ids"]
+            r = httpx.post(pd.decode.url + "/v1/completions", timeout=120,
+                           json=legs.decode_body(first_token.decode_body(body, ids, wrong),
+                                                 leg["kv_transfer_params"]))
+            assert r.status_code == 200, r.text
+            tried += 1
+            changed += seed.text + r.json()["choices"][0]["text"] != mono
+    assert changed * 2 > tried, f"a wrong t1 changed {changed} of {tried} answers"
     wait_idle(pd.prefill)
     wait_idle(pd.decode)
 

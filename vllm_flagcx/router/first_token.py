@@ -108,9 +108,11 @@ class FirstToken:
         """Prefill's answer as the client's whole stream."""
         events = [self.event(finish=True)]
         if wants_usage(body) and self.usage is not None:
+            # as vLLM streams usage: without the fields that are null
+            usage = {k: v for k, v in self.usage.items() if v is not None}
             events.append(_event({"id": self.answer_id, "object": "text_completion",
                                   "created": self.created, "model": self.model,
-                                  "choices": [], "usage": dict(self.usage)}))
+                                  "choices": [], "usage": usage}))
         return [*events, b"data: [DONE]\n\n"]
 
 

@@ -40,6 +40,8 @@ class Flow:
     marks: dict[str, float] = field(default_factory=dict)
     seed: first_token.FirstToken | None = None  # prefill's first token, sent first
     whole_answer: bool = False  # ... and it is the whole answer: no decode leg
+    # a streamed seeded request's decode leg (path, body), opened after t1 went out
+    decode_leg: tuple[str, dict[str, Any]] | None = None
 
     def first_byte(self) -> None:
         """Decode's first body byte reached the router: log the request's timeline."""
@@ -70,6 +72,21 @@ class Flow:
 
         assert self.prefill_task is not None
         self.prefill_task.add_done_callback(done)
+
+    async def _open_decode_leg(self, path: str, leg: dict[str, Any]) -> None:
+        """Open decode's leg of a seeded stream; a failed or cancelled one frees what
+        prefill holds (decode never took the request)."""
+        self.decode_leg = None
+        try:
+            self.instance, self.response = await self.proxy.open_decode(
+                path, leg, self.params, self.marks)
+        except LegError as exc:
+            self.proxy.counters[f"failed_{exc.leg}"] += 1
+            await self.proxy.release(self.params)
+            raise
+        except BaseException:  # the client went away while decode's leg opened
+            await self.proxy.release(self.params)
+            raise
 
     def prefill_error(self) -> LegError | None:
         task = self.prefill_task
@@ -130,7 +147,19 @@ class Flow:
                 for event in self.seed.whole_stream(body):
                     yield event
                 return
-            yield self.seed.event()
+            try:
+                yield self.seed.event()
+            except BaseException:  # the client left before decode's leg opened
+                if self.decode_leg is not None:
+                    self.decode_leg = None
+                    self._closing = asyncio.ensure_future(self.proxy.release(self.params))
+                raise
+        if self.decode_leg is not None:
+            try:
+                await self._open_decode_leg(*self.decode_leg)
+            except LegError as exc:
+                yield sse_error(exc)
+                return
         assert self.response is not None and self.instance is not None
         instance = self.instance
         chunks = self.response.aiter_raw()

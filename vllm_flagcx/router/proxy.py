@@ -224,6 +224,10 @@ class Proxy:
                 decode_leg, prompt_ids = await self._sequential_prefill(path, body, flow)
                 if flow.whole_answer:
                     return flow  # prefill's token is the whole answer: no decode leg
+                if flow.seed is not None and body.get("stream"):
+                    # the client's stream starts with t1 now; decode's leg opens after it
+                    flow.decode_leg = (path, decode_leg)
+                    return flow
             flow.instance, flow.response = await self.open_decode(path, decode_leg, flow.params,
                                                                   flow.marks, prompt_ids)
             if flow.prefill_task is not None:
