@@ -20,6 +20,7 @@ Needs a CUDA GPU and a CUDA vLLM; elsewhere it reports itself as not run.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import statistics
@@ -45,18 +46,29 @@ RATES = (4, 8, 16, 32)  # req/s of the serve sweep (PD sequential and monolithic
 MODEL_ENV, EAGER_ENV = "VLLM_FLAGCX_B5_MODEL", "VLLM_FLAGCX_B5_EAGER"
 
 
-def _stream_times(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, float]:
+def one_token_bias(model: Path) -> dict[str, float]:
+    """``logit_bias`` that makes every sampled token one plain ASCII token: vLLM's dummy
+    weights put the greedy pick on tokens that print nothing or half a UTF-8 character,
+    and a first token that ends inside a character is never sent ahead by the router
+    (``router.first_token``): 127 of 287 requests of the first H200 run went the plain
+    way. B5 times the path every real model's ordinary token takes."""
+    from tokenizers import Tokenizer
+
+    token = Tokenizer.from_file(str(model / "tokenizer.json")).token_to_id("a")
+    return {str(token): 100.0}
+
+
+def _stream_times(client: Any, url: str, prompt: list[int], max_tokens: int,
+                  extra: dict[str, Any]) -> tuple[float, float, float]:
     """Seconds to the first and to the second token event of a streamed completion, and
-    the mean seconds per token after the first (TPOT), as a client sees them."""
-    import json
-
-    import httpx
-
+    the mean seconds per token after the first (TPOT), as a client sees them. ``client``:
+    one ``httpx.Client`` for the run (a new one per request spent ~30 ms loading CA
+    certificates inside the timed span, on PD and monolithic alike)."""
     started = time.monotonic()
     stamps: list[float] = []
-    with httpx.stream("POST", url + "/v1/completions", timeout=300, json={
+    with client.stream("POST", url + "/v1/completions", timeout=300, json={
             "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}) as r:
+            "ignore_eos": True, "stream": True, **extra}) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -65,7 +77,7 @@ def _stream_times(url: str, prompt: list[int], max_tokens: int) -> tuple[float, 
             if "error" in event:
                 raise AssertionError(f"{url}: {event['error']}")
             # every event with a choice is a token, text or not (as vllm bench serve
-            # counts them: the dummy weights' tokens are often special, shown as "")
+            # counts them)
             if event.get("choices"):
                 stamps.append(time.monotonic() - started)
     assert len(stamps) >= 2, f"{url}: {len(stamps)} token events"
@@ -73,17 +85,23 @@ def _stream_times(url: str, prompt: list[int], max_tokens: int) -> tuple[float, 
     return stamps[0], stamps[1], tpot
 
 
-def _unloaded(d: Any, sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+def _unloaded(d: Any, sizes: tuple[int, ...], repeats: int, extra: dict[str, Any]
+              ) -> list[dict[str, Any]]:
     """Per prompt size, PD's and monolithic's time to the first and the second token
     (median ms over ``repeats`` fresh random prompts, one request at a time)."""
+    import httpx
+
+    client = httpx.Client()
+    for url in (d.router.url, d.prefill.url):  # warm both paths and the connections
+        _stream_times(client, url, list(range(2, 66)), 4, extra)
     rng = random.Random(1)
     rows = []
     for size in sizes:
         got: dict[str, list[tuple[float, float, float]]] = {"pd": [], "mono": []}
         for _ in range(repeats):
             prompt = [rng.randrange(2, 500) for _ in range(size)]
-            got["pd"].append(_stream_times(d.router.url, prompt, 16))
-            got["mono"].append(_stream_times(d.prefill.url, prompt, 16))
+            got["pd"].append(_stream_times(client, d.router.url, prompt, 16, extra))
+            got["mono"].append(_stream_times(client, d.prefill.url, prompt, 16, extra))
         row: dict[str, Any] = {"prompt_tokens": size}
         for side, samples in got.items():
             for i, name in enumerate(("ttft_ms", "second_token_ms", "tpot_ms")):
@@ -109,7 +127,8 @@ def _device_copy_seconds(nbytes: int, repeats: int = 10) -> float:
     return statistics.median(samples[2:])
 
 
-def _transfers(d: Any, repeats: int, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+def _transfers(d: Any, repeats: int, sizes: tuple[int, ...], extra: dict[str, Any]
+               ) -> list[dict[str, Any]]:
     import engines
 
     from vllm_flagcx.demo import run as demo_run
@@ -125,7 +144,7 @@ def _transfers(d: Any, repeats: int, sizes: tuple[int, ...]) -> list[dict[str, A
             # streamed: the router's first body byte is decode's first token, so the
             # breakdown's first_token phase holds that token only (not the whole answer)
             r = engines.complete(d.router.url, prompt, max_tokens=2, stream=True,
-                                 ignore_eos=True)
+                                 ignore_eos=True, **extra)
             assert r.status_code == 200, r.text
             got_bytes, got_seconds = demo_run.transfer_after(d.decode, before)
             moved.append(got_bytes)
@@ -145,7 +164,7 @@ def _transfers(d: Any, repeats: int, sizes: tuple[int, ...]) -> list[dict[str, A
 
 
 def _serve(d: Any, num_prompts: int, concurrent_url: str, rates: tuple[int, ...],
-           goodput: list[str]) -> dict[str, dict[str, Any]]:
+           goodput: list[str], extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``vllm bench serve`` at each rate: PD sequential and monolithic; PD concurrent at
     8 req/s. ``goodput``: vLLM's ``--goodput`` SLO arguments."""
     from vllm_flagcx.compat import bench
@@ -162,7 +181,8 @@ def _serve(d: Any, num_prompts: int, concurrent_url: str, rates: tuple[int, ...]
         since = time.monotonic()
         result = bench.bench_serve(["--backend", "openai", "--base-url", url, "--model",
                                     "demo", "--tokenizer", str(d.model), *argv,
-                                    *(["--goodput", *goodput] if goodput else [])])
+                                    *(["--goodput", *goodput] if goodput else []),
+                                    "--extra-body", json.dumps(extra)])
         out[name] = {k: result.get(k) for k in (*bench.SUMMARY_KEYS, "request_goodput")}
         out[name]["rate"] = rate
         if name.startswith("pd_router"):
@@ -229,18 +249,15 @@ def run(quick: bool) -> dict[str, Any]:
         ready = sv.wait_healthy([d.prefill, d.decode], engines.START_TIMEOUT)
         with sv.running([d.router, concurrent]):
             sv.wait_healthy([d.router, concurrent], 60)
-            _stream_times(d.router.url, list(range(2, 66)), 4)  # warm both paths once
-            _stream_times(d.prefill.url, list(range(2, 66)), 4)
-            unloaded = _unloaded(d, sizes, 3 if quick else 5)
-            rows = _transfers(d, 2 if quick else 5, sizes)
+            bias = {"logit_bias": one_token_bias(d.model)}
+            unloaded = _unloaded(d, sizes, 3 if quick else 5, bias)
+            rows = _transfers(d, 2 if quick else 5, sizes, bias)
             base = next(r for r in unloaded if r["prompt_tokens"] == 1024) \
                 if any(r["prompt_tokens"] == 1024 for r in unloaded) else unloaded[0]
             slo = [f"ttft:{3 * base['mono_ttft_ms']:.1f}",
                    f"tpot:{1.5 * base['mono_tpot_ms']:.2f}"]
             serve = _serve(d, 16 if quick else 64, concurrent.url,
-                           RATES[:1] if quick else RATES, slo)
-            import json
-
+                           RATES[:1] if quick else RATES, slo, bias)
             router_counters = json.loads(sv.get_text(d.router.url + "/stats"))["counters"]
     text = report.table(
         f"B5 {kind}, {'eager (--enforce-eager)' if eager else 'CUDA graphs'}: PD (router, "
