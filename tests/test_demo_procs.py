@@ -80,6 +80,7 @@ SEQUENCES = {
     "one SIGINT": [(signal.SIGINT, 0.0)],
     "two SIGINTs": [(signal.SIGINT, 0.0), (signal.SIGINT, 0.3)],
     "SIGTERM": [(signal.SIGTERM, 0.0)],
+    "SIGHUP": [(signal.SIGHUP, 0.0)],
     "tox: SIGINT, SIGTERM, SIGKILL": [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.3),
                                       (signal.SIGKILL, 0.2)],
 }
@@ -111,6 +112,38 @@ def test_demo_killed_outright_the_reaper_stops_its_trees(tmp_path):
     proc.kill()
     proc.wait(10)
     assert _wait_gone(pgids, 15) == []
+
+
+def test_the_demo_stops_everything_when_its_parent_exits(tmp_path):
+    """``kill`` of ``tox -e demo`` ends tox at once: the demo, re-parented, must stop its
+    trees as on Ctrl-C (8 engine processes were alive 10 s later)."""
+    launcher = textwrap.dedent(f"""
+        import subprocess, sys
+        subprocess.Popen([sys.executable, {str(tmp_path / "driver.py")!r}, {str(tmp_path)!r},
+                          {TREE!r}, "wait"], stdout=open({str(tmp_path / "out")!r}, "w"),
+                         stderr=subprocess.STDOUT)
+        sys.stdin.read()  # lives until the test closes stdin: then it exits, as tox does
+    """)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while "PGIDS" not in ((tmp_path / "out").read_text() if (tmp_path / "out").exists()
+                          else ""):
+        assert time.monotonic() < deadline, "driver never started its trees"
+        time.sleep(0.1)
+    line = next(ln for ln in (tmp_path / "out").read_text().splitlines()
+                if ln.startswith("PGIDS"))
+    pgids = [int(x) for x in line.split()[1:]]
+    assert all(len(procs.group_members(g)) == 2 for g in pgids)
+    started = time.monotonic()
+    parent.stdin.close()
+    parent.wait(10)
+    assert _wait_gone(pgids, 15) == [], "the demo outlived its parent with its trees"
+    assert time.monotonic() - started < 12
+    deadline = time.monotonic() + 10
+    while "everything the demo started is stopped" not in (tmp_path / "out").read_text():
+        assert time.monotonic() < deadline, (tmp_path / "out").read_text()[-500:]
+        time.sleep(0.1)
 
 
 def test_a_failed_step_stops_everything_and_exits_1(tmp_path):

@@ -12,10 +12,13 @@ included.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -214,20 +217,39 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def stop_with_parent(poll: float = 0.5) -> None:
+    """SIGTERM to this process once its parent is gone: ``kill`` of ``tox -e demo`` (or a
+    supervisor's SIGTERM) ends tox at once and re-parents the demo, which kept its 8 engine
+    processes alive; now the demo stops as on Ctrl-C. Polled, not ``PR_SET_PDEATHSIG``,
+    which fires when the parent's spawning thread ends, not the parent."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="demo-parent-watch", daemon=True).start()
+
+
 def guarded(body: Callable[[], int]) -> int:
     """Run the demo's ``body`` the way its processes must end: SIGTERM (tox's second step,
-    ``kill``) stops everything the way Ctrl-C does; a DemoError is one line and exit 1;
-    an interrupt exits 130. ``servers.running`` stops and checks every process group on
-    the way out, and raises DemoError naming any survivor, so the "stopped" line below is
-    printed only when it is true."""
+    ``kill``), SIGHUP (a closed terminal) and its parent's exit stop everything the way
+    Ctrl-C does; a DemoError is one line and exit 1; an interrupt exits 130.
+    ``servers.running`` stops and checks every process group on the way out, and raises
+    DemoError naming any survivor, so the "stopped" line below is printed only when it
+    is true."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
+    stop_with_parent()
     try:
         return body()
     except sv.DemoError as exc:
         print(f"\ndemo failed: {exc}", flush=True)
         return 1
     except KeyboardInterrupt:
-        print("\ninterrupted; everything the demo started is stopped", flush=True)
+        with contextlib.suppress(OSError):  # the terminal or tox's pipe may be gone
+            print("\ninterrupted; everything the demo started is stopped", flush=True)
         return 130
 
 
