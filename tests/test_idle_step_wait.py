@@ -128,3 +128,35 @@ def test_an_empty_prefill_step_waits_out_a_write_in_flight():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_shutdown_keeps_the_port_open_until_the_write_in_flight_ended():
+    """A graceful prefill shutdown during a write: the port must keep accepting
+    connections (decode reads a refused port as "no write in flight" and frees its
+    blocks) until the write ended; the old shutdown closed it first and the write landed
+    in blocks vLLM had already reused."""
+    import socket
+    import threading
+
+    p, d = _pair(p_wait=0.0, d_wait=0.0, p_faults=Faults(delay_seconds=1.5))
+    try:
+        _to_decode(p, d, pd.run_prefill(p, [40]))
+        d.step()
+        deadline = time.monotonic() + 20
+        while not p.workers[0].in_flight.running and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert p.workers[0].in_flight.running == 1, "decode's pull never reached prefill"
+        port = p.workers[0].server.port
+        stopper = threading.Thread(target=p.workers[0].server.shutdown)
+        stopper.start()
+        time.sleep(0.5)  # shutdown has begun; the write has ~1 s left
+        assert p.workers[0].in_flight.running == 1
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass  # still listening while the write is in flight
+        stopper.join(10)
+        assert not stopper.is_alive()
+        assert p.workers[0].in_flight.running == 0  # it returned after the write ended
+        assert p.workers[0].transport.write_done_at  # the write completed before the close
+    finally:
+        p.shutdown()
+        d.shutdown()

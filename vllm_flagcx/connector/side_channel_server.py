@@ -99,6 +99,7 @@ class SideChannelServer:
         self._outbox: deque[tuple[bytes, hs.Message]] = deque()
         self._wake_r, self._wake_w = -1, -1
         self._stop = threading.Event()
+        self._draining = False  # shutting down: no new write is claimed
         self._thread: threading.Thread | None = None
         self._zmq: Any = None  # zmq.Context (imported lazily: the connector imports cheap)
         self._zap: curve.ZapHandler | None = None
@@ -153,7 +154,17 @@ class SideChannelServer:
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Stop serving; writes under way finish first (their blocks are still held)."""
+        """Stop serving, never closing the port before the writes in flight ended: decode
+        reads a port that refuses connections as "no write in flight here" and gives the
+        blocks back to vLLM, so a write landing after the close overwrote reused blocks
+        (3 of 4 live requests' KV changed, 23 s later). New pulls are refused while the
+        claimed writes finish (bounded by the lease); the side channel keeps answering
+        meanwhile (a Release is acknowledged once its write ended); then it closes."""
+        self._draining = True
+        if self._in_flight.wait_idle(self._settings.lease_seconds) and self._in_flight.running:
+            logger.error("FlagCX side channel: %d write(s) still in flight after %.0f s; "
+                         "closing the port anyway", self._in_flight.running,
+                         self._settings.lease_seconds)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
@@ -289,6 +300,8 @@ class SideChannelServer:
                    ) -> hs.Message | Pending:
         """The answer to ``pull`` now, ``WRITING`` (a write was started and answers
         later), or ``WAIT`` when it must keep waiting."""
+        if self._draining:
+            return hs.PullReply(pull.transfer_id, False, "prefill is shutting down")
         claim, what = self._sends.claim(pull.transfer_id, pull.sheet.engine_id)
         if claim is Claim.WRITE:
             assert self._writer is not None and isinstance(what, Send)
