@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from vllm_flagcx.wire import params as params_schema
 
@@ -58,7 +57,7 @@ def applies(path: str, body: Mapping[str, object]) -> bool:
             and (body.get("seed") is None or temperature == 0))
 
 
-def prefill_body(body: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
+def prefill_body(body: Mapping[str, object], transfer_id: str) -> dict[str, object]:
     """Prefill's leg of a seeded request: the client's own sampling (its ``ignore_eos``,
     ``stop_token_ids`` and ``min_tokens`` decide whether t1 ends the answer, as on a
     monolithic engine), one token, with its token ids."""
@@ -80,16 +79,16 @@ class FirstToken:
     token_id: int
     text: str
     finish_reason: str  # "length" (decode goes on) or "stop" (EOS / a stop token)
-    stop_reason: Any
+    stop_reason: object  # vLLM's: null, a stop token id or a stop string
     answer_id: str
     model: str
     created: int
-    usage: Mapping[str, Any] | None
+    usage: Mapping[str, object] | None
 
     def is_whole_answer(self, body: Mapping[str, object]) -> bool:
         return self.finish_reason == "stop" or body.get("max_tokens") == 1
 
-    def completion(self) -> dict[str, Any]:
+    def completion(self) -> dict[str, object]:
         """Prefill's answer as the client's whole (non-streamed) answer."""
         choice = {"index": 0, "text": self.text, "logprobs": None,
                   "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
@@ -136,40 +135,43 @@ def first_token(answer: Mapping[str, object]) -> FirstToken | None:
                       usage if isinstance(usage, dict) else None)
 
 
-def decode_body(body: Mapping[str, Any], prompt_ids: list[int], seed: FirstToken
-                ) -> dict[str, Any]:
+def decode_body(body: Mapping[str, object], prompt_ids: list[int], seed: FirstToken
+                ) -> dict[str, object]:
     """Decode's leg: prompt + [t1], one token less to generate and to hold back EOS for;
     ``kv_transfer_params`` are added by ``legs.decode_body``."""
     out = dict(body)
     out["prompt"] = [*prompt_ids, seed.token_id]
-    if type(body.get("max_tokens")) is int:
-        out["max_tokens"] = body["max_tokens"] - 1
+    max_tokens = body.get("max_tokens")
+    if type(max_tokens) is int:
+        out["max_tokens"] = max_tokens - 1
     min_tokens = body.get("min_tokens")
     if type(min_tokens) is int and min_tokens > 0:
         out["min_tokens"] = min_tokens - 1
     return out
 
 
-def _moved(usage: Any) -> Any:
+def _moved(usage: object) -> object:
     """Decode's usage as the client's: t1 counted as generated, not as prompt."""
     if not isinstance(usage, dict):
         return usage
     out = dict(usage)
-    if type(out.get("prompt_tokens")) is int:
-        out["prompt_tokens"] -= 1
-    if type(out.get("completion_tokens")) is int:
-        out["completion_tokens"] += 1
+    prompt, completion = out.get("prompt_tokens"), out.get("completion_tokens")
+    if type(prompt) is int:
+        out["prompt_tokens"] = prompt - 1
+    if type(completion) is int:
+        out["completion_tokens"] = completion + 1
     return out
 
 
-def completion(decoded: dict[str, Any], seed: FirstToken) -> dict[str, Any]:
+def completion(decoded: Mapping[str, object], seed: FirstToken) -> dict[str, object]:
     """Decode's non-streamed answer with t1 in front and the usage moved."""
     out = dict(decoded)
     choices = out.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         first = dict(choices[0])
-        if isinstance(first.get("text"), str):
-            first["text"] = seed.text + first["text"]
+        text = first.get("text")
+        if isinstance(text, str):
+            first["text"] = seed.text + text
         out["choices"] = [first, *choices[1:]]
     if "usage" in out:
         out["usage"] = _moved(out["usage"])
@@ -207,5 +209,5 @@ def _usage_event(event: bytes) -> bytes:
     return _event(data)[:-2]
 
 
-def _event(data: Mapping[str, Any]) -> bytes:
+def _event(data: Mapping[str, object]) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +41,7 @@ class Flow:
     seed: first_token.FirstToken | None = None  # prefill's first token, sent first
     whole_answer: bool = False  # ... and it is the whole answer: no decode leg
     # a streamed seeded request's decode leg (path, body), opened after t1 went out
-    decode_leg: tuple[str, dict[str, Any]] | None = None
+    decode_leg: tuple[str, dict[str, object]] | None = None
 
     def first_byte(self) -> None:
         """Decode's first body byte reached the router: log the request's timeline."""
@@ -73,7 +73,7 @@ class Flow:
         assert self.prefill_task is not None
         self.prefill_task.add_done_callback(done)
 
-    async def _open_decode_leg(self, path: str, leg: dict[str, Any]) -> None:
+    async def _open_decode_leg(self, path: str, leg: dict[str, object]) -> None:
         """Open decode's leg of a seeded stream; a failed or cancelled one frees what
         prefill holds (decode never took the request)."""
         self.decode_leg = None
@@ -137,7 +137,7 @@ class Flow:
             parsed = first_token.completion(parsed, self.seed)
         return 200, parsed
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def stream(self, body: Mapping[str, object]) -> AsyncIterator[bytes]:
         """Decode's SSE bytes as they come, after prefill's first token where it was
         seeded (usage moved to count it as generated); an error event if decode dies
         midway."""

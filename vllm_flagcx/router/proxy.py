@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -63,10 +64,10 @@ class Proxy:
         self._sheets: dict[str, tuple[str, int, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ legs
-    async def run_prefill(self, path: str, leg: dict[str, Any], transfer_id: str,
+    async def run_prefill(self, path: str, leg: Mapping[str, object], transfer_id: str,
                           marks: dict[str, float] | None = None,
                           instance: Instance | None = None
-                          ) -> tuple[Instance, dict[str, Any]]:
+                          ) -> tuple[Instance, dict[str, object]]:
         """The prefill leg (``leg``: its request body) on ``instance`` (default: the
         least-loaded prefill): its instance and its answer."""
         instance = instance or self.prefill.pick()
@@ -104,7 +105,7 @@ class Proxy:
         instance.served += 1
         return instance, answer
 
-    def held_params(self, instance: Instance, answer: dict[str, Any], transfer_id: str
+    def held_params(self, instance: Instance, answer: Mapping[str, object], transfer_id: str
                     ) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` prefill returned for decode, or None (counted and
         logged: decode then computes the prompt itself)."""
@@ -246,7 +247,7 @@ class Proxy:
         return flow
 
     async def _sequential_prefill(self, path: str, body: dict[str, Any], flow: Flow
-                                  ) -> tuple[dict[str, Any], list[int] | None]:
+                                  ) -> tuple[dict[str, object], list[int] | None]:
         """Prefill's leg, then what decode is sent: (its body, the prompt's token ids to
         put in it). With the first token seeded (``first_token``), decode's body already
         holds prompt + [t1]; a t1 that ends the answer sets ``flow.whole_answer``."""

@@ -131,15 +131,15 @@ def mark_loaded(params: MutableMapping[str, Any]) -> None:
     params[REMOTE_PREFILL] = False
 
 
-def seeds_first_token(params: Mapping[str, Any]) -> bool:
+def seeds_first_token(params: Mapping[str, object]) -> bool:
     return params.get(FIRST_TOKEN_SEEDED) is True
 
 
-def prefill_leg_params(transfer_id: str, seeded: bool = False) -> dict[str, Any]:
+def prefill_leg_params(transfer_id: str, seeded: bool = False) -> dict[str, object]:
     """What the router sends prefill: hold the KV under ``transfer_id``; ``seeded``:
     decode continues from prefill's first token (``FIRST_TOKEN_SEEDED``)."""
-    out: dict[str, Any] = {REMOTE_DECODE: True, REMOTE_PREFILL: False,
-                           "transfer_id": transfer_id}
+    out: dict[str, object] = {REMOTE_DECODE: True, REMOTE_PREFILL: False,
+                              "transfer_id": transfer_id}
     if seeded:
         out[FIRST_TOKEN_SEEDED] = True
     return out
@@ -151,7 +151,7 @@ def remote_prefill_params(*, transfer_id: str, host: str, port: int, tp_size: in
     """What prefill returns for decode (``request_finished_all_groups``); the router's
     concurrent mode builds the same from prefill's fact sheet before prefill answers
     (without ``num_tokens``: prefill has not run yet)."""
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         REMOTE_PREFILL: True,
         REMOTE_DECODE: False,
         "transfer_id": transfer_id,
