@@ -201,11 +201,14 @@ def test_negative_control_corrupted_or_missing_kv_changes_the_answer(pd):
     assert_corrupted_kv_changes_the_answer(pd, PROMPTS)
 
 
+_CLIENT = httpx.Client()  # one for the module: a new client loads CA certificates (~30 ms)
+
+
 def _streamed(url: str, body: dict) -> tuple[list[dict], list[float]]:
     """A streamed completion's events (``[DONE]`` seen) and when each arrived (s)."""
     started, stamps = time.monotonic(), []
-    with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                      json=body | {"stream": True}) as r:
+    with _CLIENT.stream("POST", url + "/v1/completions", timeout=120,
+                        json=body | {"stream": True}) as r:
         assert r.status_code == 200, r.read()
         lines = []
         for line in r.iter_lines():
