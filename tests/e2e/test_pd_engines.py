@@ -263,7 +263,10 @@ def _first_token_cases(pd) -> list[tuple[str, dict, bool]]:
             ("max_tokens 2, streamed", base | {"max_tokens": 2} | usage, True),
             ("min_tokens 5", base | {"min_tokens": 5, "max_tokens": 6}, False),
             ("token-id prompt", base | {"prompt": ids}, False),
-            ("greedy with a seed", base | {"seed": 11}, True)]
+            ("greedy with a seed", base | {"seed": 11}, True),
+            ("ignore_eos", base | {"ignore_eos": True}, False),
+            # the plain path (decode recomputes t1): a stop string could span t1 and t2
+            ("stop string, plain path", base | {"stop": ["e"]}, True)]
 
 
 def test_first_token_from_prefill_answers_every_case_as_one_engine(pd):
