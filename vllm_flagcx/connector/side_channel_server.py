@@ -161,7 +161,8 @@ class SideChannelServer:
         claimed writes finish (bounded by the lease); the side channel keeps answering
         meanwhile (a Release is acknowledged once its write ended); then it closes."""
         self._draining = True
-        if self._in_flight.wait_idle(self._settings.lease_seconds) and self._in_flight.running:
+        self._in_flight.wait_idle(self._settings.lease_seconds)
+        if self._in_flight.running:
             logger.error("FlagCX side channel: %d write(s) still in flight after %.0f s; "
                          "closing the port anyway", self._in_flight.running,
                          self._settings.lease_seconds)

@@ -88,20 +88,23 @@ class FirstToken:
     def is_whole_answer(self, body: Mapping[str, object]) -> bool:
         return self.finish_reason == "stop" or body.get("max_tokens") == 1
 
+    def _answer(self, choices: list[object], **more: object) -> dict[str, object]:
+        """A completion answer (or stream event) of prefill's id, model and time."""
+        return {"id": self.answer_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, **more}
+
+    def _choice(self, finish: bool) -> dict[str, object]:
+        return {"index": 0, "text": self.text, "logprobs": None,
+                "finish_reason": self.finish_reason if finish else None,
+                "stop_reason": self.stop_reason if finish else None}
+
     def completion(self) -> dict[str, object]:
         """Prefill's answer as the client's whole (non-streamed) answer."""
-        choice = {"index": 0, "text": self.text, "logprobs": None,
-                  "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
-        return {"id": self.answer_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": dict(self.usage or {})}
+        return self._answer([self._choice(finish=True)], usage=dict(self.usage or {}))
 
     def event(self, finish: bool = False) -> bytes:
         """t1 as the first event of the client's stream (``finish``: also its last)."""
-        choice = {"index": 0, "text": self.text, "logprobs": None,
-                  "finish_reason": self.finish_reason if finish else None,
-                  "stop_reason": self.stop_reason if finish else None}
-        return _event({"id": self.answer_id, "object": "text_completion",
-                       "created": self.created, "model": self.model, "choices": [choice]})
+        return _event(self._answer([self._choice(finish)]))
 
     def whole_stream(self, body: Mapping[str, object]) -> list[bytes]:
         """Prefill's answer as the client's whole stream."""
@@ -109,9 +112,7 @@ class FirstToken:
         if wants_usage(body) and self.usage is not None:
             # as vLLM streams usage: without the fields that are null
             usage = {k: v for k, v in self.usage.items() if v is not None}
-            events.append(_event({"id": self.answer_id, "object": "text_completion",
-                                  "created": self.created, "model": self.model,
-                                  "choices": [], "usage": usage}))
+            events.append(_event(self._answer([], usage=usage)))
         return [*events, b"data: [DONE]\n\n"]
 
 

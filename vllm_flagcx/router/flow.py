@@ -80,11 +80,9 @@ class Flow:
         try:
             self.instance, self.response = await self.proxy.open_decode(
                 path, leg, self.params, self.marks)
-        except LegError as exc:
-            self.proxy.counters[f"failed_{exc.leg}"] += 1
-            await self.proxy.release(self.params)
-            raise
-        except BaseException:  # the client went away while decode's leg opened
+        except BaseException as exc:  # a failed leg, or the client went away meanwhile
+            if isinstance(exc, LegError):
+                self.proxy.counters[f"failed_{exc.leg}"] += 1
             await self.proxy.release(self.params)
             raise
 
