@@ -196,8 +196,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
     as its one child (how NVIDIA Dynamo takes a connector it does not name). ``dp_rank``:
     this instance is that data-parallel rank of a DP deployment (vLLM's ParallelConfig);
     its workers bind the side-channel port the product's scheduler half advertises.
-    ``logical_check=False``: the workers register no attention views, so the logical
-    integrity sample is neither sent nor checked (the byte sample still is)."""
+    ``logical_check=False``: the workers register no cache views, so the full logical
+    digest is neither sent nor checked (the byte sample still is)."""
     hybrid = model == "hybrid"
     key = auth.load_key(secret_file)
     if secret_file:
@@ -299,7 +299,8 @@ def build_instance(role: str, tp: int, port: int, conv_layout: str = "SD",
                                            test_faults=test_faults, key=key),
                             MemmoveTransport(faults))
         ratios = [kernel_ratio] * len(caches.config.kv_cache_groups)
-        views = kv_views.attention_views(caches.caches, caches.config, KV_HEADS, dims, ratios)
+        views = kv_views.cache_views(caches.caches, caches.config, KV_HEADS, dims, ratios,
+                                     rank, tp, conv_layout, split.parts)
         worker.register_regions(regions, serve=role == "kv_producer",
                                 logical_num_blocks=caches.config.num_blocks,
                                 views=views if logical_check else None)

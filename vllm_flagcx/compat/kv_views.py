@@ -1,158 +1,138 @@
-"""Each attention layer's KV cache as vLLM indexes it: ``(blocks, tokens, heads, channels)``
-views for the logical integrity check (``layout.logical``).
+"""Each layer's cache as vLLM indexes it, in logical units, and the full logical digest
+(``layout.digest``) computed over it with torch on whatever device holds it.
 
 Why apart from ``kv_layout``: that module turns strides into byte regions, the arithmetic
 a wrong answer hides in. These views use only the dimension NAMES each build declares (the
 backend's ``get_kv_cache_shape`` letters for 5-d caches, 0.34's ``[B, H, N, C]``, MLA's
-``(B, N, D)``) and let the tensor's own indexing find the bytes, so a region or plan
-mistake shows up as a mismatch instead of being checked against itself.
+``(B, N, D)``, the Mamba state's conv / ssm shapes) and let the tensor's own indexing find
+the bytes, so a region or plan mistake shows up as a digest mismatch instead of being
+checked against itself.
+
+Every part is a ``(kernel blocks, tokens, units, *unit)`` view: ``units`` are what TP
+shards (KV heads; conv channels per GDN section; ssm heads), ``tokens`` the slots of a
+kernel block (1 for a state). One request's digest is a gather of its blocks per part
+(one copy, in logical order) and three integer reductions; nothing is read per element
+from Python.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
 from vllm_flagcx.compat.kv_layout import kv_dimension
-from vllm_flagcx.layout.logical import LayerFacts
+from vllm_flagcx.layout import digest
 
 
 @dataclass(frozen=True)
-class AttentionView:
-    """One layer: ``parts`` are ``(kernel blocks, tokens, local heads, channels)`` views
-    (K and V, or one packed K||V / latent view) of the very tensor vLLM registered."""
+class Part:
+    """One TP-sharded part of a layer: ``view`` is ``(kernel blocks, tokens, units, ...)``
+    of the very tensor vLLM registered; this rank holds global units
+    ``[first_unit, first_unit + units)`` of ``global_units``."""
 
-    parts: tuple[Any, ...]
-    facts: LayerFacts
-    ratio: int  # kernel blocks per logical block
-
-    @property
-    def kernel_block_size(self) -> int:
-        return int(self.parts[0].shape[1])
-
-    @functools.cached_property
-    def geometry(self) -> tuple[tuple[int, ...], ...] | None:
-        """Per part: (address, the three strides, the three sizes in elements, bytes of
-        one element vector, bytes per element); None when a part's channels are not
-        contiguous. Read once: a registered cache never moves."""
-        out = []
-        for part in self.parts:
-            if part.dim() != 4 or part.stride(3) != 1:
-                return None
-            size = int(part.element_size())
-            out.append((int(part.data_ptr()), *(int(x) for x in part.stride()[:3]),
-                        *(int(x) for x in part.shape[:3]), int(part.shape[3]) * size, size))
-        return tuple(out)
-
-    def crcs(self, kernel_blocks: Sequence[int], slots: Sequence[int],
-             local_heads: Sequence[int]) -> list[int]:
-        """crc32 of each (kernel block, slot, local head) element vector, K then V."""
-        return crcs_batched([(self, kernel_blocks, slots, local_heads)])[0]
+    name: str
+    view: Any
+    first_unit: int
+    global_units: int
+    replicated: bool = False  # every rank holds all units (MLA latents)
 
 
-Lookup = tuple[AttentionView, Sequence[int], Sequence[int], Sequence[int]]
+@dataclass(frozen=True)
+class LayerView:
+    group: int
+    parts: tuple[Part, ...]
+    ratio: int = 1  # kernel blocks per logical block
 
 
-# reads (address, size) ranges at once (``connector.integrity.Reader``)
-RangeReader = Callable[[Sequence[tuple[int, int]]], list[bytes]]
+def _kernel_ids(block_ids: Sequence[int], ratio: int) -> np.ndarray:
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
 
 
-def element_ranges(lookups: Sequence[Lookup]) -> list[list[tuple[int, int]]] | None:
-    """Per key of every lookup, in order: the byte range of each part's element vector
-    (K then V), placed by the tensor's own strides (what its indexing computes); None when
-    a part's channels are not contiguous. An index outside a part's shape raises
-    IndexError, as indexing would: these ranges are read raw."""
-    out: list[list[tuple[int, int]]] = []
-    for view, blocks, slots, heads in lookups:
-        geometry = view.geometry
-        if geometry is None:
-            return None
-        for b, s, h in zip(blocks, slots, heads, strict=True):
-            ranges = []
-            for address, s0, s1, s2, n0, n1, n2, nbytes, size in geometry:
-                if not (0 <= b < n0 and 0 <= s < n1 and 0 <= h < n2):
-                    raise IndexError(f"(block, slot, head) {(b, s, h)} outside a cache view "
-                                     f"of shape {(n0, n1, n2)}")
-                ranges.append((address + (b * s0 + s * s1 + h * s2) * size, nbytes))
-            out.append(ranges)
-    return out
+_WORD_DTYPES: dict[int, str] = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
 
 
-def crcs_batched(lookups: Sequence[Lookup], read: RangeReader | None = None
-                 ) -> list[list[int]]:
-    """``AttentionView.crcs`` of several layers at once. With ``read`` (the byte sample's
-    reader) and contiguous channels: every element vector's bytes read in one call (on a
-    GPU one gather launch; B5 on an H100 measured ~1.5 ms per side for the torch gathers
-    below inside a serving engine). Else through torch: one host-to-device copy of every
-    index and one device-to-host copy of every element read, on a stream of the check's
-    own."""
-    if not lookups:
-        return []
-    if read is not None:
-        ranges = element_ranges(lookups)
-        if ranges is not None:
-            return _crcs_of_ranges(lookups, ranges, read)
-    return _crcs_by_torch(lookups)
-
-
-def _crcs_of_ranges(lookups: Sequence[Lookup], ranges: list[list[tuple[int, int]]],
-                    read: RangeReader) -> list[list[int]]:
-    """Every key's ranges read in one call, a crc per key, split back per lookup."""
-    pieces = iter(read([r for key in ranges for r in key]))
-    crcs = []
-    for key in ranges:
-        crc = 0
-        for _ in key:
-            crc = zlib.crc32(next(pieces), crc)
-        crcs.append(crc)
-    out, at = [], 0
-    for _, _, slots, _ in lookups:
-        out.append(crcs[at:at + len(slots)])
-        at += len(slots)
-    return out
-
-
-def _crcs_by_torch(lookups: Sequence[Lookup]) -> list[list[int]]:
+@functools.lru_cache(maxsize=4096)
+def _weights(salt: int, count: int, start: int, device: Any) -> Any:
     import torch
 
-    device = lookups[0][0].parts[0].device
-    with _side_stream(device):
-        flat = [int(x) for _, b, s, h in lookups for x in (*b, *s, *h)]
-        index = torch.as_tensor(flat, dtype=torch.long).to(device)
-        chunks, pos = [], 0
-        for view, _, slots, _ in lookups:
-            n = len(slots)
-            b, s, h = index[pos:pos + n], index[pos + n:pos + 2 * n], index[pos + 2 * n:
-                                                                            pos + 3 * n]
-            pos += 3 * n
-            rows = torch.cat([p[b, s, h].reshape(n, -1) for p in view.parts], dim=1)
-            chunks.append(rows.contiguous().view(torch.uint8).reshape(-1))
-        raw = torch.cat(chunks).cpu().numpy()
-    out, offset = [], 0
-    for (_, _, slots, _), chunk in zip(lookups, chunks, strict=True):
-        width = int(chunk.numel()) // max(1, len(slots))
-        out.append([zlib.crc32(raw[offset + i * width:offset + (i + 1) * width].tobytes())
-                    for i in range(len(slots))])
-        offset += int(chunk.numel())
-    return out
+    return torch.from_numpy(digest.weights(salt, count, start).view(np.int64)).to(device)
+
+
+def _prefix_weights(salt: int, count: int, device: Any) -> Any:
+    """The first ``count`` weights of ``salt``, sliced from a table of the next power of
+    two (token counts vary per request; the tables stay few)."""
+    return _weights(salt, 1 << max(0, count - 1).bit_length(), 0, device)[:count]
+
+
+def _part_sum(part: Part, layer: str, index: Any, units: range, device: Any) -> Any:
+    """This part's share of the layer digest (a 0-d int64 tensor on ``device``)."""
+    import torch
+
+    lo = units.start - part.first_unit
+    x = part.view[:, :, lo:lo + len(units)][index]  # one gather, logical order
+    tokens = x.shape[0] * x.shape[1]
+    raw = x.reshape(tokens, len(units), -1).contiguous().view(torch.uint8)
+    width = digest.word_bytes(int(raw.shape[-1]))
+    words = raw.view(getattr(torch, _WORD_DTYPES[width])).to(torch.int64)
+    per_row = (words * _prefix_weights(digest.WORD_SALT, int(words.shape[-1]), device)).sum(-1)
+    per_row = (per_row * _prefix_weights(digest.TOKEN_SALT, tokens, device)[:, None]).sum(0)
+    rows = _weights(digest.salt(layer, part.name), len(units), units.start, device)
+    return (per_row * rows).sum()
+
+
+def layer_digests(views: Mapping[str, LayerView], block_ids: Sequence[Sequence[int]],
+                  me: tuple[int, int], peer: tuple[int, int], sending: bool
+                  ) -> dict[str, int]:
+    """Per layer with bytes in this transfer: its digest over the units ``me`` (rank, TP)
+    writes into ``peer`` (``sending``) or receives from it, over this side's ``block_ids``
+    per group in the transfer's pair order. One device-to-host copy for all layers."""
+    import torch
+
+    sums: dict[str, list[Any]] = {}
+    device = None
+    with _side_stream(next(iter(views.values())).parts[0].view.device if views else None):
+        indexes: dict[tuple[int, int], Any] = {}
+        for name, layer in views.items():
+            ids = block_ids[layer.group] if layer.group < len(block_ids) else ()
+            if not len(ids):
+                continue
+            for part in layer.parts:
+                sender, receiver = (me, peer) if sending else (peer, me)
+                units = digest.written_units(sender, receiver, part.global_units,
+                                             part.replicated)
+                if not len(units):
+                    continue
+                device = part.view.device
+                key = (layer.group, layer.ratio)
+                if key not in indexes:
+                    indexes[key] = torch.from_numpy(_kernel_ids(ids, layer.ratio)).to(device)
+                sums.setdefault(name, []).append(_part_sum(part, name, indexes[key], units,
+                                                           device))
+        if not sums:
+            return {}
+        flat = torch.stack([s for parts in sums.values() for s in parts]).cpu().numpy()
+    values = iter(flat.view(np.uint64).tolist())
+    return {name: sum(next(values) for _ in parts) & digest.MASK
+            for name, parts in sums.items()}
 
 
 _STREAMS: dict[Any, Any] = {}
 
 
 def _side_stream(device: Any) -> Any:
-    """On a GPU, a stream of the check's own: its few-KiB gathers and copy then wait for
-    none of the engine's kernels queued on the default stream (the blocks it reads are
-    this request's, which no running kernel writes). Elsewhere, nothing."""
-    import contextlib
-
+    """On a GPU, a stream of the check's own: its gathers wait for none of the engine's
+    kernels queued on the default stream (the blocks it reads are this request's, which
+    no running kernel writes). Elsewhere, nothing."""
     import torch
 
-    if device.type != "cuda":
+    if device is None or device.type != "cuda":
         return contextlib.nullcontext()
     stream = _STREAMS.get(device)
     if stream is None:
@@ -180,21 +160,69 @@ def layer_parts(cache: Any, kind: SpecKind, dims: str | None) -> tuple[Any, ...]
                      "dimensions")
 
 
-def attention_views(kv_caches: dict[str, Any], kv_cache_config: Any,
-                    total_kv_heads: int, attention_dims: dict[int, str | None] | None,
-                    kernel_ratios: Sequence[int]) -> dict[str, AttentionView]:
-    """A view per attention (and MLA) layer; Mamba layers have none (their state is
-    checked by the byte sample)."""
-    views: dict[str, AttentionView] = {}
+def _state_tensors(cache: Any, spec: Any) -> tuple[Any, Any]:
+    """(conv, ssm) of a Mamba layer: vLLM's own two views (<= 0.22), or the spec's shapes
+    over 0.34's one int8 page per block."""
+    if isinstance(cache, (list, tuple)):
+        return cache[0], cache[1]
+    (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = spec.shapes[:2], spec.dtypes[:2]
+    blocks = int(cache.shape[0])
+    conv_bytes = int(np.prod(conv_shape)) * conv_dtype.itemsize
+    ssm_bytes = int(np.prod(ssm_shape)) * ssm_dtype.itemsize
+    page = cache.view(blocks, -1)
+    return (page[:, :conv_bytes].view(conv_dtype).view(blocks, *conv_shape),
+            page[:, conv_bytes:conv_bytes + ssm_bytes].view(ssm_dtype)
+            .view(blocks, *ssm_shape))
+
+
+def state_parts(cache: Any, spec: Any, conv_layout: str,
+                sections: Sequence[tuple[str, int, int]], rank: int, tp: int
+                ) -> tuple[Part, ...]:
+    """A Mamba/GDN layer's parts: one per conv section (``(name, local channels, global
+    channels)``, GDN's Q | K | V) and the ssm state, with one token per block."""
+    conv, ssm = _state_tensors(cache, spec)
+    by_channel = conv if conv_layout == "DS" else conv.transpose(1, 2)  # (B, ch, state)
+    parts, at = [], 0
+    for name, local, global_ in sections:
+        parts.append(Part(f"conv_{name}", by_channel[:, at:at + local].unsqueeze(1),
+                          rank * local, global_))
+        at += local
+    heads = int(ssm.shape[1])
+    parts.append(Part("ssm", ssm.unsqueeze(1), rank * heads, heads * tp))
+    return tuple(parts)
+
+
+def cache_views(kv_caches: Mapping[str, Any], kv_cache_config: Any, total_kv_heads: int,
+                attention_dims: Mapping[int, str | None] | None,
+                kernel_ratios: Sequence[int], rank: int, tp: int, conv_layout: str,
+                conv_sections: Sequence[tuple[str, int, int]] | None) -> dict[str, LayerView]:
+    """A view per registered layer: attention (K and V, or MLA's latent) and Mamba/GDN
+    state (``conv_sections``: None reads the conv channels as one section)."""
+    from vllm_flagcx.layout.topology import head_range
+
+    views: dict[str, LayerView] = {}
     for group_index, group in enumerate(kv_cache_config.kv_cache_groups):
-        kind = spec_kind(group.kv_cache_spec)
-        if kind is SpecKind.MAMBA:
-            continue
-        dims = (attention_dims or {}).get(group_index)
+        spec = group.kv_cache_spec
+        kind = spec_kind(spec)
         for name in group.layer_names:
-            parts = layer_parts(kv_caches[name], kind, dims)
-            ratio = int(kernel_ratios[group_index])
-            facts = LayerFacts(group_index, int(parts[0].shape[1]) * ratio,
-                               1 if kind is SpecKind.MLA else int(total_kv_heads))
-            views[name] = AttentionView(tuple(parts), facts, ratio)
+            cache = kv_caches[name]
+            if kind is SpecKind.MAMBA:
+                sections = conv_sections
+                if sections is None:
+                    conv = _state_tensors(cache, spec)[0]
+                    channels = int(conv.shape[1 if conv_layout == "DS" else 2])
+                    sections = (("conv", channels, channels * tp),)
+                views[name] = LayerView(group_index, state_parts(
+                    cache, spec, conv_layout, sections, rank, tp))
+                continue
+            raw = layer_parts(cache, kind, (attention_dims or {}).get(group_index))
+            parts: tuple[Part, ...]
+            if kind is SpecKind.MLA:
+                parts = (Part("latent", raw[0], 0, 1, replicated=True),)
+            else:
+                first = head_range(rank, tp, int(total_kv_heads))[0]
+                parts = tuple(Part(n, p, first, int(total_kv_heads))
+                              for n, p in zip(("k", "v") if len(raw) == 2 else ("kv",), raw,
+                                              strict=True))
+            views[name] = LayerView(group_index, parts, int(kernel_ratios[group_index]))
     return views

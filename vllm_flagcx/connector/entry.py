@@ -261,7 +261,7 @@ class FlagCXConnector(PortableConnectorBase):
             regions, serve=bool(ktc.is_kv_producer),
             logical_num_blocks=self.kv_cache_config.num_blocks,
             views=kv_cache_views(self._vllm_config, self.kv_cache_config, kv_caches, dims,
-                                 regions))
+                                 regions, self.tp_size))
         logger.info(start_line(
             role="prefill" if ktc.is_kv_producer else "decode",
             tp_rank=self.worker.settings.tp_rank, transport=self.worker.transport.name,

@@ -1,5 +1,5 @@
 """End-to-end integrity checks of a pull: the bytes the plan named arrived (byte sample),
-and they mean the same on both sides (logical sample).
+and every element decode received means what prefill sent (the full logical digest).
 
 FlagCX's ``BatchWriteSync`` can return success when RDMA slices failed, so success from
 the transport is not proof. Prefill picks up to ``max_samples`` descriptors spread over
@@ -11,14 +11,13 @@ first. Cost: a few KiB read per request. Device memory is read through the CUDA 
 the check is skipped, and decode says so once.
 
 The byte sample cannot see a plan that names the wrong bytes (it compares what the plan
-moved with itself). The logical sample can: prefill picks (layer, block, token, head) keys
-(``layout.logical.sample_keys``), reads each element where the tensor's own strides put it
-(``compat.kv_views``: one read of every element through the byte sample's reader, or
-torch's indexing where there is none) and sends a crc per key; decode refuses keys it may not read
-(``layout.logical.refuse_keys``), reads the same elements of its own blocks, and fails the
-request on the first difference, naming it. Both samples are read by prefill before its
-reply (the blocks may be reused right after) and by decode after every prefill rank
-replied (each rank's write is complete when it replies); decode's read is on the pull's
+moved with itself). The full logical digest can (``layout.digest``): prefill computes,
+per layer, one 64-bit digest of every element it writes into the pulling rank, keyed by
+what each element means (layer, part, global unit, token, word), from vLLM's own views of
+its cache (``compat.kv_views``), and sends them in its reply; decode computes the same
+over its own blocks after that rank replied (its write is complete then) and fails the
+request on any difference, naming the KV cache group and layer range. Prefill digests
+before its reply (the blocks may be reused right after); decode's is on the pull's
 critical path: ``benchmarks/b2d_integrity.py`` measures both.
 """
 
@@ -31,9 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_flagcx.layout import bounds, logical, plans
-from vllm_flagcx.layout.logical import LogicalKey
-from vllm_flagcx.layout.topology import head_range
+from vllm_flagcx.layout import bounds, digest, plans
 
 # reads (address, size) ranges, all at once: one synchronisation for a whole sample on a GPU
 Reader = Callable[[Sequence[tuple[int, int]]], list[bytes]]
@@ -96,76 +93,34 @@ def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
     return crc
 
 
-LogicalEntry = tuple[str, int, int, int, int]  # (layer, receiver block, token, head, crc)
-
-
-def _local(layers: list[tuple[Any, list[tuple[int, int, int]], int]],
-           read: Reader | None) -> list[list[int]]:
-    """Per (view, [(logical block, token, global head)], first head of this rank): the
-    crcs of those elements, all layers read at once (``kv_views.crcs_batched``: through
-    ``read`` where it can, else torch's indexing)."""
-    from vllm_flagcx.compat.kv_views import crcs_batched
-
-    lookups = []
-    for view, keys, first_head in layers:
-        located = [logical.locate(b, t, view.ratio, view.kernel_block_size)
-                   for b, t, _ in keys]
-        lookups.append((view, [k for k, _ in located], [s for _, s in located],
-                        [h - first_head for _, _, h in keys]))
-    return crcs_batched(lookups, read)
-
-
-def logical_sample(views: Mapping[str, Any], sender_ids: list[list[int]],
+def sender_digests(views: Mapping[str, Any], sender_ids: list[list[int]],
                    receiver_ids: list[list[int]], offsets: list[int | None],
-                   rank: int, tp: int, peer_rank: int, peer_tp: int,
-                   read: Reader | None = None) -> tuple[LogicalEntry, ...]:
-    """Prefill: the keys of this (rank, peer rank) pair with the crc of each as THIS side
-    holds it. Empty when the two ranks share no head or no block."""
+                   me: tuple[int, int], peer: tuple[int, int]) -> tuple[tuple[str, int], ...]:
+    """Prefill: per layer, the digest of everything this rank (``me``: rank, TP) writes
+    into ``peer`` for this pull, over its own blocks in the transfer's pair order."""
     if not views:
         return ()
-    pairs = [plans.align_block_ids(s, r, offsets[g] if offsets else None)
-             for g, (s, r) in enumerate(zip(sender_ids, receiver_ids, strict=True))]
-    facts = {name: v.facts for name, v in views.items()}
-    global_heads = next(iter(facts.values())).global_heads
-    mine = head_range(rank, tp, global_heads)
-    heads = logical.shared_heads(mine, head_range(peer_rank, peer_tp, global_heads))
-    picked = logical.sample_keys(facts, pairs, heads)
-    names = list(dict.fromkeys(k.layer for k, _ in picked))
-    rows = {name: [(k, s) for k, s in picked if k.layer == name] for name in names}
-    crcs = _local([(views[name], [(s, k.token, k.head) for k, s in rows[name]],
-                    head_range(rank, tp, views[name].facts.global_heads)[0])
-                   for name in names], read)
-    return tuple((k.layer, k.block, k.token, k.head, c)
-                 for name, layer_crcs in zip(names, crcs, strict=True)
-                 for (k, _), c in zip(rows[name], layer_crcs, strict=True))
+    from vllm_flagcx.compat.kv_views import layer_digests
+
+    paired = [list(plans.align_block_ids(s, r, offsets[g] if offsets else None)[0])
+              for g, (s, r) in enumerate(zip(sender_ids, receiver_ids, strict=True))]
+    return tuple(layer_digests(views, paired, me, peer, sending=True).items())
 
 
-def logical_mismatch(views: Mapping[str, Any], entries: list[LogicalEntry],
-                     block_ids: list[list[int]], rank: int, tp: int,
-                     read: Reader | None = None, max_keys: int = logical.MAX_KEYS
-                     ) -> str | None:
-    """Decode: why the request's bytes are not prefill's (a refused key or the first
-    differing element), or None when every key matches. ``max_keys``: the keys the
-    replies may carry together (``logical.MAX_KEYS`` per prefill rank that answered)."""
-    if not views or not entries:
-        return None
-    keys = [LogicalKey(str(e[0]), int(e[1]), int(e[2]), int(e[3])) for e in entries]
-    facts = {name: v.facts for name, v in views.items()}
-    global_heads = next(iter(facts.values())).global_heads
-    own = head_range(rank, tp, global_heads)
-    refusal = logical.refuse_keys(keys, facts, block_ids, own, max_keys)
-    if refusal is not None:
-        return refusal
-    names = list(dict.fromkeys(k.layer for k in keys))
-    rows = {name: [(k, int(e[4])) for k, e in zip(keys, entries, strict=True)
-                   if k.layer == name] for name in names}
-    got = _local([(views[name], [(k.block, k.token, k.head) for k, _ in rows[name]],
-                   head_range(rank, tp, views[name].facts.global_heads)[0])
-                  for name in names], read)
-    for name, layer_got in zip(names, got, strict=True):
-        for (key, want), have in zip(rows[name], layer_got, strict=True):
-            if want != have:
-                return (f"logical integrity check failed at {key.layer} block {key.block} "
-                        f"token {key.token} KV head {key.head}: decode holds other data than "
-                        "prefill sent (the transfer plan named the wrong bytes)")
-    return None
+def receiver_mismatch(views: Mapping[str, Any], digests: Sequence[tuple[str, int]],
+                      block_ids: list[list[int]], me: tuple[int, int],
+                      peer: tuple[int, int]) -> str | None:
+    """Decode, after ``peer`` (rank, TP) replied: why this rank's blocks do not hold what
+    that prefill rank sent (a refused reply, a missing layer, a differing digest named by
+    group and layer range), or None."""
+    from vllm_flagcx.compat.kv_views import layer_digests
+
+    uncovered = next((p for v in views.values() for p in v.parts
+                      if not digest.covers_receiver(peer[1], me, p.global_units,
+                                                    p.replicated)), None)
+    if uncovered is not None:
+        return (f"the prefill ranks of TP {peer[1]} do not each write a disjoint share of "
+                f"this rank's {uncovered.name} units: the transfer cannot be proven")
+    expected = layer_digests(views, block_ids, me, peer, sending=False)
+    groups = {name: int(v.group) for name, v in views.items()}
+    return digest.mismatch(digests, expected, groups)

@@ -28,12 +28,13 @@ class PullClock:
     p_queued: float = 0.0
     p_write: float = 0.0
     p_sample: float = 0.0
-    p_logical: float = 0.0  # of p_sample: the logical sample (prefills that report it)
+    p_digest: float = 0.0  # of p_sample: the full logical digest (layout.digest)
     bytes_check: float = 0.0  # of the verification: checking the replies' byte samples
+    digest: float = 0.0  # of the verification: this side's digests and their comparison
     prefill_timings_dropped: int = 0
 
     def add_prefill(self, timings: Sequence[float]) -> None:
-        """Add one prefill rank's (queued, write, sample[, of which logical]) seconds; a
+        """Add one prefill rank's (queued, write, sample[, of which the digest]) seconds; a
         prefill of the first protocol-2 releases sends three."""
         if len(timings) not in (3, 4) or not all(
                 isinstance(t, float) and math.isfinite(t) and 0.0 <= t <= _MAX_SECONDS
@@ -43,12 +44,12 @@ class PullClock:
         self.p_queued += timings[0]
         self.p_write += timings[1]
         self.p_sample += timings[2]
-        self.p_logical += timings[3] if len(timings) == 4 else 0.0
+        self.p_digest += timings[3] if len(timings) == 4 else 0.0
 
     def line(self, request_id: str, reported: float) -> str:
         return timeline.format_line("decode", self.transfer_id, {
             "request": request_id, "t_planned": self.planned, "t_started": self.started,
             "t_sheet": self.sheet, "t_answered": self.sheet + self.asking,
             "t_verified": self.verified, "t_reported": reported, "p_queued": self.p_queued,
-            "p_write": self.p_write, "p_sample": self.p_sample, "p_logical": self.p_logical,
-            "d_bytes_check": self.bytes_check})
+            "p_write": self.p_write, "p_sample": self.p_sample, "p_digest": self.p_digest,
+            "d_bytes_check": self.bytes_check, "d_digest": self.digest})

@@ -28,7 +28,6 @@ from vllm_flagcx.connector.pull_clock import PullClock
 from vllm_flagcx.connector.registration import Registration
 from vllm_flagcx.connector.task_threads import TaskThreads
 from vllm_flagcx.connector.worker_settings import WorkerSettings
-from vllm_flagcx.layout import logical
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire import params as wire_params
@@ -165,7 +164,6 @@ class Puller:
                                  tuple(tuple(g) for g in task.block_ids),
                                  tuple(task.offsets))
         total = descriptors = 0
-        entries: list[integrity.LogicalEntry] = []
         for p_rank in senders:
             asked = time.monotonic()
             try:
@@ -181,26 +179,20 @@ class Puller:
             if problem is not None or not isinstance(reply, hs.PullReply):
                 self._fail_after_release(task, flat, problem or "not a pull reply")
                 return
+            checking = time.monotonic()
+            problem = self._digest_problem(task, p_rank, p_sheet.tp_size, reply)
+            clock.digest += time.monotonic() - checking
+            if problem is not None:
+                self._fail_after_release(task, flat, problem)
+                return
             clock.add_prefill(reply.timings)
             total += reply.num_bytes
             descriptors += reply.num_descriptors
-            entries += reply.logical
         if total <= 0 < len(flat):
             # every rank "succeeded" and nothing moved: the blocks hold whatever they held
             self._fail_after_release(task, flat, f"{len(senders)} prefill rank(s) answered "
                                      f"ok with 0 bytes for {len(flat)} blocks: nothing loaded")
             return
-        if self._settings.verify_integrity:
-            # the key cap holds per reply: a pull from k prefill ranks carries k samples
-            mismatch = integrity.logical_mismatch(
-                reg.views, entries, [list(g) for g in task.block_ids],
-                self._settings.tp_rank, self._settings.tp_size, reg.read_kv,
-                max_keys=len(senders) * logical.MAX_KEYS)
-            self._counters.add("integrity_logical_keys", len(entries))
-            if mismatch is not None:
-                self._counters.add("integrity_failures")
-                self._fail_after_release(task, flat, mismatch)
-                return
         if fault == "corrupt_block":
             fault_knobs.corrupt_first_block(
                 list(reg.regions), task.block_ids,
@@ -251,9 +243,6 @@ class Puller:
         if reply.transfer_id != transfer_id:  # an answer to another pull
             return (f"P rank {p_rank} answered for transfer {reply.transfer_id!r}, not "
                     f"{transfer_id!r}: the reply is not this request's")
-        if len(reply.logical) > logical.MAX_KEYS:
-            return (f"P rank {p_rank}: {len(reply.logical)} logical integrity keys in one "
-                    f"reply, at most {logical.MAX_KEYS} are ever sent")
         checked = self._integrity_checked()
         if checked and reply.num_descriptors and not reply.sample:
             self._counters.add("integrity_failures")
@@ -274,6 +263,23 @@ class Puller:
                     f"{reply.sample_crc:#x}): the transport reported success but bytes did "
                     "not land")
         return None
+
+    def _digest_problem(self, task: RecvTask, p_rank: int, p_tp: int,
+                        reply: hs.PullReply) -> str | None:
+        """Whether everything prefill rank ``p_rank`` wrote is what this rank's blocks
+        hold now (its write is complete when it replies): the full digest per layer."""
+        views = self._registration.views
+        if not (self._settings.verify_integrity and views):
+            return None
+        s = self._settings
+        mismatch = integrity.receiver_mismatch(
+            views, reply.digests, [list(g) for g in task.block_ids], (s.tp_rank, s.tp_size),
+            (p_rank, p_tp))
+        self._counters.add("integrity_digest_layers", len(reply.digests))
+        if mismatch is None:
+            return None
+        self._counters.add("integrity_failures")
+        return f"P rank {p_rank}: {mismatch}"
 
     def _integrity_checked(self) -> bool:
         if not self._settings.verify_integrity:

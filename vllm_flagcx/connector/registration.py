@@ -28,8 +28,8 @@ class Registration:
     kernel_ratios: tuple[int, ...]  # kernel blocks per logical block, per group
     storages: tuple[tuple[int, int], ...]  # registered (address, size), disjoint, sorted
     sheet: hs.FactSheet  # what a peer's handshake is answered with
-    # layer -> compat.kv_views.AttentionView: the logical integrity sample's reader (empty:
-    # the logical sample is neither sent nor checked)
+    # layer -> compat.kv_views.LayerView: what the full digest reads (empty: no digest is
+    # sent nor checked)
     views: Mapping[str, Any]
     read_kv: integrity.Reader | None  # the byte sample's reader (None: skipped)
 

@@ -110,10 +110,10 @@ class SideChannelWrites:
         self._counters.add("send_seconds", written - started)
         sample, crc = self._byte_sample(plan, pull)
         bytes_read = time.monotonic()
-        logical = self._logical_sample(send, pull)
+        digests = self._digests(send, pull)
         done = time.monotonic()
         return hs.PullReply(pull.transfer_id, True, "", plan.num_bytes, plan.num_descriptors,
-                            sample, crc, logical,
+                            sample, crc, digests,
                             (waited, written - started, done - written, done - bytes_read))
 
     def _byte_sample(self, plan: plans.TransferPlan, pull: hs.PullRequest
@@ -130,19 +130,19 @@ class SideChannelWrites:
                            pull.transfer_id, exc)
             return (), 0
 
-    def _logical_sample(self, send: Send, pull: hs.PullRequest
-                        ) -> tuple[integrity.LogicalEntry, ...]:
+    def _digests(self, send: Send, pull: hs.PullRequest) -> tuple[tuple[str, int], ...]:
+        """Taken before the reply, like the byte sample. Without them decode fails the
+        load as unproven, so a digest that cannot be taken is logged here."""
         if not self._settings.verify_integrity:
             return ()
         s = self._settings
         try:
-            return integrity.logical_sample(
+            return integrity.sender_digests(
                 self._registration.views, [list(g) for g in send.task.block_ids],
                 [list(g) for g in pull.block_ids], list(pull.offsets),
-                s.tp_rank, s.tp_size, pull.sheet.tp_rank, pull.sheet.tp_size,
-                self._registration.read_kv)
+                (s.tp_rank, s.tp_size), (pull.sheet.tp_rank, pull.sheet.tp_size))
         except Exception as exc:  # the bytes moved; only the proof of it is lost
-            logger.warning("FlagCX logical integrity sample of %s not taken: %s",
+            logger.warning("FlagCX integrity digest of %s not taken: %s",
                            pull.transfer_id, exc)
             return ()
 

@@ -70,8 +70,8 @@ class WorkerHalf:
     def register_regions(self, regions: list[Region], serve: bool,
                          logical_num_blocks: int | None = None,
                          views: Mapping[str, Any] | None = None) -> None:
-        """``views``: each attention layer as vLLM indexes it (``compat.kv_views``); without
-        them the logical integrity sample is neither sent nor checked."""
+        """``views``: each layer as vLLM indexes it (``compat.kv_views``); without them
+        the full logical digest is neither sent nor checked."""
         reg = register(self.settings, self.transport, regions, logical_num_blocks, views)
         self.registration = reg
         self.stats.set("registered_storages", len(reg.storages))

@@ -43,15 +43,21 @@ def kv_cache_regions(vllm_config: Any, kv_cache_config: Any, tp_size: int,
 
 
 def kv_cache_views(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, Any],
-                   dims: dict[int, str | None], regions: list[Any]) -> dict[str, Any]:
-    """Each attention layer as vLLM indexes it, for the logical integrity sample."""
-    from vllm_flagcx.compat.kv_views import attention_views
+                   dims: dict[int, str | None], regions: list[Any], tp_size: int
+                   ) -> dict[str, Any]:
+    """Each layer as vLLM indexes it (attention and Mamba/GDN state), for the full
+    logical digest (``compat.kv_views``)."""
+    from vllm_flagcx.compat import mamba as compat_mamba
+    from vllm_flagcx.compat.kv_views import cache_views
     from vllm_flagcx.layout.regions import kernel_ratios
 
+    model = vllm_config.model_config
     ratios = kernel_ratios(regions, len(kv_cache_config.kv_cache_groups),
                            kv_cache_config.num_blocks)
-    return attention_views(kv_caches, kv_cache_config,
-                           vllm_config.model_config.get_total_num_kv_heads(), dims, ratios)
+    split = compat_config.gdn_conv_split(model.hf_config, tp_size)
+    return cache_views(kv_caches, kv_cache_config, model.get_total_num_kv_heads(), dims,
+                       ratios, compat_config.tp_rank(), tp_size,
+                       compat_mamba.conv_state_layout(), split.parts if split else None)
 
 
 def attention_cache_format(vllm_config: Any, kv_cache_config: Any, groups: list[Any]) -> str:

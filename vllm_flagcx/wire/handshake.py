@@ -96,10 +96,10 @@ class PullReply(msgspec.Struct, frozen=True, tag="pulled"):
     num_descriptors: int = 0
     sample: tuple[tuple[int, int], ...] = ()  # receiver ranges of the integrity sample
     sample_crc: int = 0
-    # (layer, receiver block, token, global KV head, crc) of the logical sample
-    logical: tuple[tuple[str, int, int, int, int], ...] = ()
+    # (layer, 64-bit digest) of everything this rank wrote (layout.digest), per layer
+    digests: tuple[tuple[str, int], ...] = ()
     # prefill's own seconds inside this answer: (queued before the write, the write, the
-    # integrity sample); its clock only (wire.timeline); empty from older peers
+    # integrity checks, of which the digest); its clock only (wire.timeline)
     timings: tuple[float, ...] = ()
 
 

@@ -45,7 +45,7 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("side_channel", "pull request and reply on the wire (the answer minus prefill's work)"),
     ("prefill_queued", "prefill: the pull waited for its arm or a writer"),
     ("prefill_write", "prefill: the transport's writes"),
-    ("prefill_sample", "prefill: reading the integrity sample"),
+    ("prefill_sample", "prefill: the integrity sample and digest"),
     ("verify", "decode: integrity check of the reply"),
     ("report", "pull done -> the worker's next get_finished reports it to vLLM"),
     ("first_token", "decode's step with the last prompt token, its answer -> router"),
@@ -55,8 +55,9 @@ PHASES: tuple[tuple[str, str], ...] = (
 # where the line has them (older peers' lines lack them); not phases, so the phases still
 # sum to the total; the table shows them under their phase
 DETAILS: tuple[tuple[str, str, str, str], ...] = (
-    ("prefill_sample.logical", "p_logical", "prefill_sample", "of which the logical sample"),
+    ("prefill_sample.digest", "p_digest", "prefill_sample", "of which the full digest"),
     ("verify.bytes", "d_bytes_check", "verify", "of which the byte sample's check"),
+    ("verify.digest", "d_digest", "verify", "of which the full digest and its comparison"),
 )
 
 # not a phase: when the router sent the client prefill's first token, decode's first byte
