@@ -235,26 +235,26 @@ def test_many_ranges_are_read_by_one_gather_and_land_in_order():
     assert got == [host[a:a + n].tobytes() for a, n in zip(starts, sizes, strict=True)]
 
 
-def test_the_logical_sample_reads_device_caches_as_indexing_does():
-    """The element ranges of a GPU cache view, read by the device reader, give the crcs
-    torch's indexing gives; a changed element changes its key's crc."""
+def test_the_digest_on_a_device_equals_the_numpy_reference():
+    """The torch digest of a GPU cache view (int64 arithmetic wrapping on the device)
+    equals the host reference bit for bit; a changed element changes it."""
     from vllm_flagcx.compat import kv_views
     from vllm_flagcx.compat.kv_cache import SpecKind
-    from vllm_flagcx.connector import integrity
-    from vllm_flagcx.layout.logical import LayerFacts
+    from vllm_flagcx.layout import digest
 
     cache = torch.randn((2, 6, 16, 4, 128), device="cuda").to(torch.bfloat16)
-    parts = kv_views.layer_parts(cache, SpecKind.FULL_ATTENTION, "2BNHD")
-    view = kv_views.AttentionView(tuple(parts), LayerFacts(0, 16, 4), 1)
-    blocks, slots, heads = [0, 5, 3, 3, 1], [0, 15, 7, 8, 2], [0, 3, 1, 2, 0]
-    read = integrity.reader(host_memory=False)
-    lookup = [(view, blocks, slots, heads)]
-    got = kv_views.crcs_batched(lookup, read)
-    assert got == kv_views.crcs_batched(lookup)
-    cache[1, 3, 7, 1, 5] += 1
-    changed = kv_views.crcs_batched(lookup, read)[0]
-    assert [a != b for a, b in zip(got[0], changed, strict=True)] == [False, False, True,
-                                                                      False, False]
+    k, v = kv_views.layer_parts(cache, SpecKind.FULL_ATTENTION, "2BNHD")
+    views = {"l": kv_views.LayerView(0, (kv_views.Part("k", k, 0, 4),
+                                         kv_views.Part("v", v, 0, 4)))}
+    ids = [5, 0, 3]
+    got = kv_views.layer_digests(views, [ids], (0, 1), (0, 1), sending=True)["l"]
+
+    def host(t):
+        return t[ids].cpu().contiguous().reshape(48, 4, -1).view(torch.uint8).numpy()
+
+    assert got == digest.reference({"k": (host(k), 0), "v": (host(v), 0)}, "l")
+    cache.view(torch.int16)[1, 3, 7, 1, 5] ^= 1
+    assert kv_views.layer_digests(views, [ids], (0, 1), (0, 1), sending=True)["l"] != got
 
 
 def test_a_range_over_two_allocations_is_exported_per_allocation():

@@ -208,29 +208,36 @@ def test_prefill_and_decode_on_different_backend_families_fail_the_request_by_na
 @pytest.fixture
 def eight_kv_heads(monkeypatch):
     """The test kit's caches, regions and views with 8 KV heads (Llama-3-8B class), the
-    shape where decode rank pulls from 3+ prefill ranks carry more logical integrity keys
-    together than one reply may."""
+    shape where a decode rank pulls from 3+ prefill ranks."""
     from testkit import pd_caches, pd_drive, pd_instances
 
     for module in (pd_caches, pd_drive, pd_instances):
         monkeypatch.setattr(module, "KV_HEADS", 8)
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(4, 1), (8, 1), (8, 2)])
-def test_many_prefill_ranks_to_few_decode_ranks_move_every_element(eight_kv_heads, p_tp, d_tp):
-    """The logical key cap holds per reply, not per request: 4 -> 1, 8 -> 1 and 8 -> 2
-    with 8 KV heads (each decode rank asks 4-8 prefill ranks) load, byte for byte, with
-    the logical check on (it refused them all: "128 logical integrity keys, at most 64")."""
+@pytest.mark.parametrize(("model", "p_tp", "d_tp"), [("dense", 4, 1), ("dense", 8, 1),
+                                                     ("dense", 8, 2), ("hybrid", 4, 1),
+                                                     ("hybrid", 4, 2)])
+def test_many_prefill_ranks_to_few_decode_ranks_move_every_element(eight_kv_heads, model, p_tp,
+                                                                   d_tp):
+    """4 -> 1, 8 -> 1 and 8 -> 2 with 8 KV heads (each decode rank asks 4-8 prefill
+    ranks) load, byte for byte, with every prefill rank's full digest checked; the
+    hybrid (its 4 ssm heads allow TP 4 at most) with its GDN state too (the
+    logical sample's per-request key cap refused them all: "128 logical integrity keys,
+    at most 64")."""
     port = pd.free_port()
-    p = pd.build_instance("kv_producer", p_tp, port, model="dense", seed=3)
-    d = pd.build_instance("kv_consumer", d_tp, port + 9, model="dense", seed=4)
+    p = pd.build_instance("kv_producer", p_tp, port, model=model, seed=3)
+    d = pd.build_instance("kv_consumer", d_tp, port + 9, model=model, seed=4)
     try:
         records = pd.run_pd(p, d, prompts=[33, 100])
         assert all(sum(w.ledger.counts.values()) == 0 for w in d.workers), \
             [w.ledger.counts for w in d.workers]
         pd.assert_attention_bytes_moved(p, d, records)
-        keys = sum(w.stats["integrity_logical_keys"] for w in d.workers)
-        assert keys > 64 * d_tp  # more than one reply's worth per decode rank, all checked
+        # per request, every prefill rank's digest of each layer (attention and GDN),
+        # checked by the decode rank it wrote into
+        layers = sum(len(g.layer_names) for g in d.ranks[0].config.kv_cache_groups)
+        digests = sum(w.stats["integrity_digest_layers"] for w in d.workers)
+        assert digests == layers * p_tp * len(records)
         pd.assert_idle(p)
         pd.assert_idle(d)
     finally:

@@ -211,19 +211,20 @@ ROGUE_REPLIES = {
     # "ok", bytes written, no integrity sample: decode used to count it as a finished load
     "no_sample": lambda pull: hs.PullReply(pull.transfer_id, True, "", 64, 1),
     # "ok" with nothing written and no sample: decode used to finish the load and serve
-    # whatever its blocks held
+    # whatever its blocks held (now its digests are missing: unproven)
     "zero_bytes": lambda pull: hs.PullReply(pull.transfer_id, True, "", 0, 0),
-    # more logical keys than one reply ever carries
-    "too_many_keys": lambda pull: hs.PullReply(
+    # more digests than decode has layers (bounded per reply, before any compare)
+    "too_many_digests": lambda pull: hs.PullReply(
         pull.transfer_id, True, "", 0, 0,
-        logical=tuple(("model.layers.0.self_attn.attn", 0, 0, 0, 0) for _ in range(65))),
+        digests=tuple((f"model.layers.{i}.self_attn.attn", 0) for i in range(65))),
     # a sheet of another engine than the params name (checked before any pull)
     "other_engine": None,
 }
 ROGUE_ERRORS = {"foreign_sample": "outside this worker's KV caches",
                 "other_transfer": "not this request's", "no_sample": "no integrity sample",
                 "other_engine": "that port serves another instance",
-                "zero_bytes": "answered ok with 0 bytes", "too_many_keys": "65 logical"}
+                "zero_bytes": "no integrity digest",
+                "too_many_digests": "65 integrity digests"}
 
 
 @pytest.mark.parametrize("reply", sorted(ROGUE_REPLIES))

@@ -62,28 +62,28 @@ def test_median_breakdown_joins_by_transfer_id():
 
 
 def test_details_show_under_their_phase_and_stay_out_of_the_sum():
-    with_details = {**DECODE, "p_logical": 0.0001, "d_bytes_check": 0.0004}
+    with_details = {**DECODE, "p_digest": 0.0001, "d_bytes_check": 0.0004}
     text = "\n".join([timeline.format_line("router", "a", ROUTER),
                       timeline.format_line("decode", "a", with_details),
                       timeline.format_line("router", "b", ROUTER),
                       timeline.format_line("decode", "b", DECODE)])  # an older decode
     medians, count = timeline.median_breakdown(text)
     assert count == 2
-    assert math.isclose(medians["prefill_sample.logical"], 0.1, abs_tol=1e-6)
+    assert math.isclose(medians["prefill_sample.digest"], 0.1, abs_tol=1e-6)
     assert math.isclose(medians["verify.bytes"], 0.4, abs_tol=1e-6)  # only "a" has it
     assert math.isclose(medians["total"], 60.0, abs_tol=1e-3)
     rows = timeline.table(medians, count).splitlines()
     under = {row.split()[0]: rows[i - 1].split()[0] for i, row in enumerate(rows)
              if row.startswith("    ")}
-    assert under == {"logical": "prefill_sample", "bytes": "verify"}
+    assert under == {"digest": "prefill_sample", "bytes": "verify"}
 
 
-def test_a_prefill_that_reports_its_logical_part_adds_it_and_an_older_one_adds_none():
+def test_a_prefill_that_reports_its_digest_part_adds_it_and_an_older_one_adds_none():
     clock = PullClock("t", 1.0, 1.0)
     clock.add_prefill((0.001, 0.002, 0.003, 0.001))
     clock.add_prefill((0.001, 0.002, 0.003))
     assert clock.prefill_timings_dropped == 0
-    assert math.isclose(clock.p_sample, 0.006) and math.isclose(clock.p_logical, 0.001)
+    assert math.isclose(clock.p_sample, 0.006) and math.isclose(clock.p_digest, 0.001)
 
 
 @pytest.mark.parametrize("bad", [(1.0, 2.0), (float("nan"), 0.0, 0.0), (-1.0, 0.0, 0.0),
@@ -118,8 +118,9 @@ def test_decode_logs_one_ordered_timeline_per_load_on_the_real_scheduler(caplog)
         assert values["p_write"] > 0  # prefill's own write time came in the reply
         work = values["p_queued"] + values["p_write"] + values["p_sample"]
         assert work <= values["t_answered"] - values["t_sheet"]
-        assert 0 < values["p_logical"] <= values["p_sample"]  # this prefill reports it
-        assert 0 < values["d_bytes_check"] <= values["t_verified"] - values["t_answered"]
+        assert 0 < values["p_digest"] <= values["p_sample"]  # this prefill reports it
+        checks = values["d_bytes_check"] + values["d_digest"]
+        assert values["d_digest"] > 0 and checks <= values["t_verified"] - values["t_answered"]
 
 
 def test_the_router_logs_its_timeline_at_info_when_asked(caplog):

@@ -179,35 +179,64 @@ def _old_packed_kv_regions(name, cache, group, kind, total_kv_heads):
                                  head_bytes=int(cache.stride(1)) * elem, interleaved=False)
 
 
-@pytest.mark.parametrize("by_ranges", [False, True], ids=["torch-indexing", "strided-ranges"])
+def _digests(caches, tp, layout, rank, peer, sending, blocks):
+    from vllm_flagcx.compat import kv_views
+
+    views = kv_views.cache_views(caches, _config(tp, layout), GLOBAL_HEADS, None, [1], rank,
+                                 tp, "DS", None)
+    return kv_views.layer_digests(views, [blocks], (rank, tp), peer, sending)
+
+
 @pytest.mark.parametrize("old_reading", [False, True], ids=["fixed", "old-4d-reading"])
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC,
                                     KVCacheLayout.LBHNC], ids=lambda m: m.name)
-def test_the_logical_sample_catches_the_old_nhd_reading(monkeypatch, layout, old_reading,
-                                                        by_ranges):
-    """Prefill's and decode's logical samples over vLLM's own views, after the planned
-    copy: equal with today's regions, different with the reading that moved one token per
-    NHD block (where the old byte sample passed: it compares the plan with itself). Both
-    ways of reading the elements: torch's indexing, and the ranges the views' strides
-    place (read at once, as the product does where it has a reader)."""
-    from vllm_flagcx.compat import kv_views
-    from vllm_flagcx.connector import integrity
-
+def test_the_digest_catches_the_old_nhd_reading(monkeypatch, layout, old_reading):
+    """Prefill's and decode's full digests over vLLM's own views, after the planned copy:
+    equal with today's regions, different with the reading that moved one token per NHD
+    block (where the byte sample passed: it compares the plan with itself)."""
     if old_reading:
         monkeypatch.setattr(kv_layout, "packed_kv_regions", _old_packed_kv_regions)
     p_blocks, d_blocks = [4, 1, 3], [2, 5, 0]
     p_caches = _rank_caches(1, layout, "encoded")
     d_caches = _rank_caches(1, layout, "sentinel")
     _move(p_caches, d_caches, 1, 1, layout, p_blocks, d_blocks)
-    config = _config(1, layout)
-    p_views, d_views = (kv_views.attention_views(c[0], config, GLOBAL_HEADS, None, [1])
-                        for c in (p_caches, d_caches))
-    read = integrity.read_host if by_ranges else None
-    entries = integrity.logical_sample(p_views, [p_blocks], [d_blocks], [None], 0, 1, 0, 1,
-                                       read)
-    assert len(entries) >= GLOBAL_HEADS
-    mismatch = integrity.logical_mismatch(d_views, list(entries), [d_blocks], 0, 1, read)
+    sent = _digests(p_caches[0], 1, layout, 0, (0, 1), True, p_blocks)
+    held = _digests(d_caches[0], 1, layout, 0, (0, 1), False, d_blocks)
+    assert len(sent) == LAYERS
     if old_reading and layout.name in ("LBNHC", "BLNHC"):
-        assert mismatch is not None and "logical integrity check failed" in mismatch
+        assert sent != held
     else:
-        assert mismatch is None
+        assert sent == held
+
+
+@pytest.mark.parametrize(("p_layout", "d_layout"), [(KVCacheLayout.LBHNC, KVCacheLayout.BLHNC),
+                                                    (KVCacheLayout.BLHNC, KVCacheLayout.LBHNC)],
+                         ids=lambda m: m.name)
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 1)])
+def test_a_right_transfer_between_other_layouts_and_tp_sizes_passes_the_digest(
+        p_layout, d_layout, p_tp, d_tp):
+    """Between two memory orders and TP sizes, each decode rank's digest of what it
+    holds equals, per prefill rank, that rank's digest of what it wrote: the digest
+    depends on what the elements mean, not on where they lie."""
+    p_blocks, d_blocks = [4, 1, 3], [2, 5, 0]
+    p_caches = _rank_caches(p_tp, p_layout, "encoded")
+    d_caches = _rank_caches(d_tp, d_layout, "sentinel")
+    p_config, d_config = _config(p_tp, p_layout), _config(d_tp, d_layout)
+    for d_rank in range(d_tp):
+        for p_rank in range(p_tp):
+            plan = plans.plan_transfer(
+                kv_layout.regions_for_kv_caches(p_caches[p_rank], p_config, p_tp,
+                                                GLOBAL_HEADS, "DS"),
+                kv_layout.regions_for_kv_caches(d_caches[d_rank], d_config, d_tp,
+                                                GLOBAL_HEADS, "DS"),
+                [p_blocks], [d_blocks], plans.RankPair(p_rank, p_tp, d_rank, d_tp))
+            for src, dst, length in zip(plan.src.tolist(), plan.dst.tolist(),
+                                        plan.length.tolist(), strict=True):
+                ctypes.memmove(dst, src, length)
+    for d_rank in range(d_tp):
+        for p_rank in range(p_tp):
+            sent = _digests(p_caches[p_rank], p_tp, p_layout, p_rank, (d_rank, d_tp), True,
+                            p_blocks)
+            held = _digests(d_caches[d_rank], d_tp, d_layout, d_rank, (p_rank, p_tp), False,
+                            d_blocks)
+            assert sent == held and (len(sent) == LAYERS or not sent)
