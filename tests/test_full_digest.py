@@ -260,3 +260,43 @@ def test_the_same_transfers_unsabotaged_pass_every_digest():
         p, d = _pair(p_tp=p_tp)
         failed, errors = _run(p, d, prompts)
         assert failed == ["length"] and not errors, (failed, errors)
+
+
+def _run_tiles_on_the_host(tiles: np.ndarray, ids: np.ndarray, slots: int) -> list[int]:
+    """What the CUDA digest kernel computes (``transport.cuda_kernel``), over host memory
+    in numpy: a reference for the tiles ``digest_tiles`` builds from the views' strides
+    (the kernel itself runs in tests/test_gpu_ipc.py on a GPU)."""
+    import ctypes
+
+    out = [0] * slots
+    for t in tiles.reshape(-1, 14).tolist():
+        base, block, token, row, word, per_block, blocks, at, rows, words, first, salt, \
+            width, slot = t
+        signed = [x - (1 << 64) if x >= 1 << 63 else x for x in (block, token, row, word)]
+        block, token, row, word = signed
+        total = 0
+        for b in range(blocks):
+            for s in range(per_block):
+                for r in range(rows):
+                    start = base + int(ids[at + b]) * block + s * token + r * row
+                    raw = b"".join(ctypes.string_at(start + w * word, width)
+                                   for w in range(words))
+                    x = np.frombuffer(raw, f"<i{width}").astype(np.int64).view(np.uint64)
+                    with np.errstate(over="ignore"):
+                        acc = int((x * digest.weights(digest.WORD_SALT, words)).sum(
+                            dtype=np.uint64))
+                    total += acc * int(digest.weights(digest.TOKEN_SALT, 1, b * per_block + s)[0]) \
+                        * int(digest.weights(salt, 1, first + r)[0])
+        out[slot] = (out[slot] + total) & digest.MASK
+    return out
+
+
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"])
+def test_the_kernels_tiles_digest_what_the_views_hold(conv_layout):
+    """The tiles the CUDA kernel is given (addresses and strides from vLLM's own views)
+    cover the same elements, in the same logical coordinates, as the torch digest."""
+    _, _, views = _hybrid(conv_layout)
+    ids = [[3, 1], [5], [2], [11]]
+    names, tiles, block_ids = kv_views.digest_tiles(views, ids, (0, 1), (0, 1), True)
+    got = dict(zip(names, _run_tiles_on_the_host(tiles, block_ids, len(names)), strict=True))
+    assert got == kv_views.layer_digests(views, ids, (0, 1), (0, 1), sending=True)

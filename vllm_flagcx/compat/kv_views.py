@@ -123,6 +123,68 @@ def layer_digests(views: Mapping[str, LayerView], block_ids: Sequence[Sequence[i
             for name, parts in sums.items()}
 
 
+def _tile(part: Part, units: range, layer: str, ids_at: int, blocks: int,
+          slot: int) -> list[int] | None:
+    """One part's digest tile (``transport.cuda_kernel.DIGEST_TILE_WORDS`` fields) from
+    its view's own strides, or None where a row's words are not evenly strided or
+    aligned for the kernel (the torch path then digests it)."""
+    view = part.view
+    dims, strides = list(view.shape[3:]), list(view.stride()[3:])
+    if any(strides[i] != strides[i + 1] * dims[i + 1] for i in range(len(dims) - 1)):
+        return None
+    elem = int(view.element_size())
+    row_elems = int(np.prod(dims)) if dims else 1
+    width = digest.word_bytes(row_elems * elem)
+    step = int(strides[-1]) if dims else 1
+    if step == 1:
+        word_stride, words = width, row_elems * elem // width
+    elif width == elem:
+        word_stride, words = step * elem, row_elems
+    else:
+        return None
+    base = int(view.data_ptr()) + (units.start - part.first_unit) * int(view.stride(2)) * elem
+    block, token, row = (int(view.stride(i)) * elem for i in range(3))
+    if any(x % width for x in (base, block, token, row, word_stride)):
+        return None
+    return [base, block, token, row, word_stride, int(view.shape[1]), blocks, ids_at,
+            len(units), words, units.start, digest.salt(layer, part.name), width, slot]
+
+
+def digest_tiles(views: Mapping[str, LayerView], block_ids: Sequence[Sequence[int]],
+                 me: tuple[int, int], peer: tuple[int, int], sending: bool
+                 ) -> tuple[list[str], np.ndarray, np.ndarray] | None:
+    """``layer_digests``' work as one kernel's input: (the layers in slot order, the tiles
+    as uint64, the kernel block ids they index); None when a part needs the torch path."""
+    names: list[str] = []
+    tiles: list[list[int]] = []
+    ids: list[np.ndarray] = []
+    at: dict[tuple[int, int], int] = {}
+    size = 0
+    for name, layer in views.items():
+        group_ids = block_ids[layer.group] if layer.group < len(block_ids) else ()
+        if not len(group_ids):
+            continue
+        key = (layer.group, layer.ratio)
+        if key not in at:
+            ids.append(_kernel_ids(group_ids, layer.ratio))
+            at[key] = size
+            size += int(ids[-1].size)
+        for part in layer.parts:
+            sender, receiver = (me, peer) if sending else (peer, me)
+            units = digest.written_units(sender, receiver, part.global_units, part.replicated)
+            if not len(units):
+                continue
+            if not names or names[-1] != name:
+                names.append(name)
+            tile = _tile(part, units, name, at[key], len(group_ids) * layer.ratio,
+                         len(names) - 1)
+            if tile is None:
+                return None
+            tiles.append(tile)
+    flat = np.asarray([x & digest.MASK for t in tiles for x in t], dtype=np.uint64)
+    return names, flat, (np.concatenate(ids) if ids else np.zeros(0, np.int64))
+
+
 _STREAMS: dict[Any, Any] = {}
 
 

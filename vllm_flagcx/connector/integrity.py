@@ -24,6 +24,7 @@ critical path: ``benchmarks/b2d_integrity.py`` measures both.
 from __future__ import annotations
 
 import ctypes
+import logging
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from vllm_flagcx.layout import bounds, digest, plans
+
+logger = logging.getLogger("vllm_flagcx")
 
 # reads (address, size) ranges, all at once: one synchronisation for a whole sample on a GPU
 Reader = Callable[[Sequence[tuple[int, int]]], list[bytes]]
@@ -93,6 +96,42 @@ def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
     return crc
 
 
+_KERNEL_CHECKED: dict[int, bool] = {}  # device ordinal -> the kernel agreed with torch
+
+
+def layer_digests(views: Mapping[str, Any], block_ids: Sequence[Sequence[int]],
+                  me: tuple[int, int], peer: tuple[int, int], sending: bool
+                  ) -> dict[str, int]:
+    """``compat.kv_views.layer_digests``; on a CUDA device one kernel launch for the whole
+    request (``transport.cuda_kernel``: the torch path launches ~8 small kernels per part,
+    ~1,000 for Qwen3.6 at TP 1). The kernel's first answer on each device is compared with
+    the torch path's; a disagreement is logged and the kernel is not used again there."""
+    from vllm_flagcx.compat import kv_views
+
+    first = next(iter(views.values())).parts[0].view if views else None
+    if first is None or first.device.type != "cuda" or _KERNEL_CHECKED.get(
+            first.get_device()) is False:
+        return kv_views.layer_digests(views, block_ids, me, peer, sending)
+    ordinal = int(first.get_device())
+    tiles = kv_views.digest_tiles(views, block_ids, me, peer, sending)
+    from vllm_flagcx.transport import cuda_ipc
+
+    cuda = cuda_ipc.driver()
+    sums = None if tiles is None or cuda is None or not tiles[0] else cuda.digest(
+        ordinal, tiles[1], tiles[2], len(tiles[0]))
+    if sums is None or tiles is None:
+        return kv_views.layer_digests(views, block_ids, me, peer, sending)
+    got = dict(zip(tiles[0], (int(x) for x in sums.tolist()), strict=True))
+    if ordinal not in _KERNEL_CHECKED:
+        agreed = got == kv_views.layer_digests(views, block_ids, me, peer, sending)
+        _KERNEL_CHECKED[ordinal] = agreed
+        if not agreed:
+            logger.error("FlagCX digest kernel disagrees with the torch digest on CUDA "
+                         "device %d: using the torch path", ordinal)
+            return kv_views.layer_digests(views, block_ids, me, peer, sending)
+    return got
+
+
 def sender_digests(views: Mapping[str, Any], sender_ids: list[list[int]],
                    receiver_ids: list[list[int]], offsets: list[int | None],
                    me: tuple[int, int], peer: tuple[int, int]) -> tuple[tuple[str, int], ...]:
@@ -100,8 +139,6 @@ def sender_digests(views: Mapping[str, Any], sender_ids: list[list[int]],
     into ``peer`` for this pull, over its own blocks in the transfer's pair order."""
     if not views:
         return ()
-    from vllm_flagcx.compat.kv_views import layer_digests
-
     paired = [list(plans.align_block_ids(s, r, offsets[g] if offsets else None)[0])
               for g, (s, r) in enumerate(zip(sender_ids, receiver_ids, strict=True))]
     return tuple(layer_digests(views, paired, me, peer, sending=True).items())
@@ -113,8 +150,6 @@ def receiver_mismatch(views: Mapping[str, Any], digests: Sequence[tuple[str, int
     """Decode, after ``peer`` (rank, TP) replied: why this rank's blocks do not hold what
     that prefill rank sent (a refused reply, a missing layer, a differing digest named by
     group and layer range), or None."""
-    from vllm_flagcx.compat.kv_views import layer_digests
-
     uncovered = next((p for v in views.values() for p in v.parts
                       if not digest.covers_receiver(peer[1], me, p.global_units,
                                                     p.replicated)), None)

@@ -155,8 +155,10 @@ class ConnectorSettings:
     lease_seconds: float = 30.0
     # P: a finished request's blocks are held this long until decode shows it has the
     # request (its first heartbeat or pull), then ``lease_seconds``: a decode leg that never
-    # reaches decode (an external router's failed leg) frees them this soon
-    first_lease_seconds: float = 10.0
+    # reaches decode (an external router's failed leg) frees them this soon. 30 s, not
+    # shorter: on a starved 2-core CPU engine decode's first word came later than 10 s in
+    # 5 cases of an independent check (all came within 30 s)
+    first_lease_seconds: float = 30.0
     recv_timeout: float | None = None  # None: lease_seconds + 10
     handshake_timeout: float = 10.0  # 5 s once ran out behind a CPU-starved prefill
     # P: a write still queued this long after its pull was claimed is not started

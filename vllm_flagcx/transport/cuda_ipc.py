@@ -149,6 +149,16 @@ class CudaDriver:
                     self._kernels[ordinal] = None
             return self._kernels[ordinal]
 
+    def digest(self, ordinal: int, tiles: np.ndarray, ids: np.ndarray,
+               slots: int) -> np.ndarray | None:
+        """The full digest's sums in one launch on this thread's stream
+        (``BatchedCopy.digest``); None where the kernels are unavailable."""
+        kernel = self._kernel(ordinal)
+        if kernel is None:
+            return None
+        self.use_device(ordinal)
+        return kernel.digest(self._local.stream, tiles, ids, slots)
+
     def has_kernel(self, ordinal: int) -> bool:
         """The batched kernels are usable on this device (``copy_checked`` can run)."""
         return self._kernel(ordinal) is not None

@@ -26,6 +26,12 @@ import numpy as np
 
 KERNEL_NAME = b"vllm_flagcx_batched_copy"
 CHECKED_KERNEL_NAME = b"vllm_flagcx_checked_copy"
+DIGEST_KERNEL_NAME = b"vllm_flagcx_digest"
+# a digest tile's fields (compat.kv_views.digest_tiles): base, block stride, token stride,
+# row stride, word stride (bytes), tokens per block, blocks, first id, rows, words per
+# row, first global row, row salt, word bytes, output slot
+DIGEST_TILE_WORDS = 14
+DIGEST_CHUNK_ELEMENTS = 256 * 16  # elements one block of threads takes per grid step
 KERNEL_SOURCE = rb"""
 // One warp per descriptor (blockIdx.y and the warp index walk the descriptors), split over
 // blockIdx.x when long: a KV block of a few KiB is a few loads per lane, not a whole block
@@ -128,6 +134,46 @@ extern "C" __global__ void vllm_flagcx_checked_copy(
     copy_bytes(out + d_delta[k], in, bytes, w.lane, w.lanes);
   }
 }
+
+// The full logical digest (layout/digest.py): per tile (one part of one layer over one
+// request's blocks), the sum over its words of word * w(word) * w(token) * w(row), added
+// (mod 2**64: unsigned wrap, so the order of atomics cannot change it) to its slot.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return (x ^ (x >> 31)) | 1ULL;
+}
+
+extern "C" __global__ void vllm_flagcx_digest(const unsigned long long* __restrict__ tiles,
+    const long long* __restrict__ ids, unsigned long long* __restrict__ out) {
+  const unsigned long long* t = tiles + (unsigned long long)blockIdx.x * DIGEST_TILE_WORDS;
+  const long long base = (long long)t[0], block_stride = (long long)t[1];
+  const long long token_stride = (long long)t[2], row_stride = (long long)t[3];
+  const long long word_stride = (long long)t[4];
+  const unsigned long long per_block = t[5], blocks = t[6], ids_at = t[7], rows = t[8];
+  const unsigned long long words = t[9], first_row = t[10], salt = t[11], word_bytes = t[12];
+  const unsigned long long total = blocks * per_block * rows * words;
+  unsigned long long acc = 0;
+  for (unsigned long long e = (unsigned long long)blockIdx.y * blockDim.x + threadIdx.x;
+       e < total; e += (unsigned long long)gridDim.y * blockDim.x) {
+    const unsigned long long w = e % words, q = e / words;
+    const unsigned long long r = q % rows, token = q / rows;
+    const unsigned long long slot = token % per_block, blk = token / per_block;
+    const char* p = (const char*)(base + ids[ids_at + blk] * block_stride
+                                  + (long long)slot * token_stride + (long long)r * row_stride
+                                  + (long long)w * word_stride);
+    unsigned long long x;
+    if (word_bytes == 8) x = (unsigned long long)*(const long long*)p;
+    else if (word_bytes == 4) x = (unsigned long long)(long long)*(const int*)p;
+    else if (word_bytes == 2) x = (unsigned long long)(long long)*(const short*)p;
+    else x = (unsigned long long)(long long)*(const signed char*)p;
+    acc += x * mix64(w ^ DIGEST_WORD_SALT) * mix64(token ^ DIGEST_TOKEN_SALT)
+           * mix64((first_row + r) ^ salt);
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0 && acc) atomicAdd(out + t[13], acc);
+}
 """
 THREADS = 256
 WARPS = THREADS // 32  # descriptors one block works on at once
@@ -172,9 +218,14 @@ def compile_cubin(nvrtc: ctypes.CDLL, major: int, minor: int) -> bytes:
     if rc != 0:
         raise KernelUnavailable(f"nvrtcCreateProgram failed ({rc})")
     try:
-        options = (ctypes.c_char_p * 3)(f"--gpu-architecture=sm_{major}{minor}".encode(),
-                                        b"--std=c++14", f"-DMAX_REGIONS={MAX_REGIONS}".encode())
-        rc = nvrtc.nvrtcCompileProgram(prog, 3, options)
+        from vllm_flagcx.layout import digest
+
+        flags = [f"--gpu-architecture=sm_{major}{minor}", "--std=c++14",
+                 f"-DMAX_REGIONS={MAX_REGIONS}", f"-DDIGEST_TILE_WORDS={DIGEST_TILE_WORDS}",
+                 f"-DDIGEST_WORD_SALT={digest.WORD_SALT}ULL",
+                 f"-DDIGEST_TOKEN_SALT={digest.TOKEN_SALT}ULL"]
+        options = (ctypes.c_char_p * len(flags))(*(f.encode() for f in flags))
+        rc = nvrtc.nvrtcCompileProgram(prog, len(flags), options)
         if rc != 0:
             size = ctypes.c_size_t(0)
             nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -237,9 +288,11 @@ class BatchedCopy:
         check(lib.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
         check(lib.cuModuleGetFunction(ctypes.byref(self._function), self._module,
                                       KERNEL_NAME), "cuModuleGetFunction")
-        self._checked = ctypes.c_void_p()
+        self._checked, self._digest = ctypes.c_void_p(), ctypes.c_void_p()
         check(lib.cuModuleGetFunction(ctypes.byref(self._checked), self._module,
                                       CHECKED_KERNEL_NAME), "cuModuleGetFunction")
+        check(lib.cuModuleGetFunction(ctypes.byref(self._digest), self._module,
+                                      DIGEST_KERNEL_NAME), "cuModuleGetFunction")
         self._local = threading.local()
 
     def _grown(self, name: str, nbytes: int, alloc: Any, free: Any) -> int:
@@ -349,6 +402,38 @@ class BatchedCopy:
         table = self._upload(stream, _NO_WORDS, dst, src, length)
         self._launch(stream, self._function, "batched copy", length,
                      (ctypes.c_uint64(table), ctypes.c_uint64(dst.size)))
+
+    def digest(self, stream: ctypes.c_void_p, tiles: np.ndarray, ids: np.ndarray,
+               slots: int) -> np.ndarray:
+        """The full digest's ``slots`` sums over ``tiles`` (``DIGEST_TILE_WORDS`` uint64
+        each) and the block ids they index, in one launch; synchronised."""
+        n = int(tiles.size) // DIGEST_TILE_WORDS
+        host = self._staging(int(tiles.size) + int(ids.size) + slots)
+        host[:tiles.size] = tiles.reshape(-1)
+        host[tiles.size:tiles.size + ids.size] = ids.astype(np.int64).view(np.uint64)
+        host[tiles.size + ids.size:] = 0
+        table = self._table(host.nbytes)
+        self._check(self._lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(table),
+                                                   ctypes.c_void_p(host.ctypes.data),
+                                                   ctypes.c_size_t(host.nbytes), stream),
+                    "cuMemcpyHtoDAsync (digest tiles)")
+        out = table + 8 * (int(tiles.size) + int(ids.size))
+        shaped = tiles.reshape(n, DIGEST_TILE_WORDS)
+        largest = int((shaped[:, 5] * shaped[:, 6] * shaped[:, 8] * shaped[:, 9]).max())
+        chunks = max(1, min(MAX_GRID_Y, -(-largest // DIGEST_CHUNK_ELEMENTS)))
+        args = (ctypes.c_uint64(table), ctypes.c_uint64(table + 8 * int(tiles.size)),
+                ctypes.c_uint64(out))
+        params = (ctypes.c_void_p * 3)(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p)
+                                         for a in args))
+        self._check(self._lib.cuLaunchKernel(self._digest, n, chunks, 1, THREADS, 1, 1, 0,
+                                             stream, params, None), "cuLaunchKernel (digest)")
+        result = np.zeros(slots, dtype=np.uint64)
+        self._check(self._lib.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(result.ctypes.data),
+                                                   ctypes.c_uint64(out),
+                                                   ctypes.c_size_t(8 * slots), stream),
+                    "cuMemcpyDtoHAsync (digests)")
+        self._check(self._lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        return result
 
     def _upload(self, stream: ctypes.c_void_p, head: np.ndarray, dst: np.ndarray,
                 src: np.ndarray, length: np.ndarray) -> int:
