@@ -65,7 +65,7 @@ def flagcx_report(configured_library: str | None = None) -> dict[str, Any]:
 
 def side_channel_report() -> dict[str, Any]:
     """Where prefill's side channel listens with the default settings, and how it is
-    protected (``connector.settings``; the README's Security section says why)."""
+    protected (``connector.settings``; docs/security.md says why)."""
     import os
 
     from vllm_flagcx.connector.settings import ConnectorSettings

@@ -142,7 +142,7 @@ LOOPBACK = "127.0.0.1"
 @dataclass(frozen=True)
 class ConnectorSettings:
     """Every ``kv_connector_extra_config`` key, read once, checked, with its default stated
-    here and nowhere else (README's settings table lists the same)."""
+    here and nowhere else (docs/settings.md lists the same)."""
 
     transport: str = "auto"
     transport_factory: str | None = None
