@@ -21,13 +21,16 @@ import contextlib
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
 from vllm_flagcx.compat.kv_layout import kv_dimension
 from vllm_flagcx.layout import digest
+
+if TYPE_CHECKING:
+    from torch import Tensor, device
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Part:
     ``[first_unit, first_unit + units)`` of ``global_units``."""
 
     name: str
-    view: Any
+    view: Tensor
     first_unit: int
     global_units: int
     replicated: bool = False  # every rank holds all units (MLA latents)
@@ -59,19 +62,20 @@ _WORD_DTYPES: dict[int, str] = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
 
 
 @functools.lru_cache(maxsize=4096)
-def _weights(salt: int, count: int, start: int, device: Any) -> Any:
+def _weights(salt: int, count: int, start: int, device: device) -> Tensor:
     import torch
 
     return torch.from_numpy(digest.weights(salt, count, start).view(np.int64)).to(device)
 
 
-def _prefix_weights(salt: int, count: int, device: Any) -> Any:
+def _prefix_weights(salt: int, count: int, device: device) -> Tensor:
     """The first ``count`` weights of ``salt``, sliced from a table of the next power of
     two (token counts vary per request; the tables stay few)."""
     return _weights(salt, 1 << max(0, count - 1).bit_length(), 0, device)[:count]
 
 
-def _part_sum(part: Part, layer: str, index: Any, units: range, device: Any) -> Any:
+def _part_sum(part: Part, layer: str, index: Tensor, units: range, device: device
+              ) -> Tensor:
     """This part's share of the layer digest (a 0-d int64 tensor on ``device``)."""
     import torch
 
@@ -95,10 +99,10 @@ def layer_digests(views: Mapping[str, LayerView], block_ids: Sequence[Sequence[i
     per group in the transfer's pair order. One device-to-host copy for all layers."""
     import torch
 
-    sums: dict[str, list[Any]] = {}
+    sums: dict[str, list[Tensor]] = {}
     device = None
     with _side_stream(next(iter(views.values())).parts[0].view.device if views else None):
-        indexes: dict[tuple[int, int], Any] = {}
+        indexes: dict[tuple[int, int], Tensor] = {}
         for name, layer in views.items():
             ids = block_ids[layer.group] if layer.group < len(block_ids) else ()
             if not len(ids):
@@ -202,7 +206,7 @@ def _side_stream(device: Any) -> Any:
     return torch.cuda.stream(stream)
 
 
-def _five_d_parts(cache: Any, dims: str | None) -> tuple[Any, ...]:
+def _five_d_parts(cache: Tensor, dims: str | None) -> tuple[Tensor, ...]:
     if dims is None:  # the shape families, as kv_layout reads them
         dims = "2BNHD" if kv_dimension(tuple(int(n) for n in cache.shape), "") == 0 \
             else "B2NHD"
@@ -210,7 +214,7 @@ def _five_d_parts(cache: Any, dims: str | None) -> tuple[Any, ...]:
     return ordered[0], ordered[1]
 
 
-def layer_parts(cache: Any, kind: SpecKind, dims: str | None) -> tuple[Any, ...]:
+def layer_parts(cache: Tensor, kind: SpecKind, dims: str | None) -> tuple[Tensor, ...]:
     """The ``(B, N, H, C)`` views of one attention layer's cache tensor."""
     if kind is SpecKind.MLA:
         return (cache.unsqueeze(2),)
@@ -222,11 +226,12 @@ def layer_parts(cache: Any, kind: SpecKind, dims: str | None) -> tuple[Any, ...]
                      "dimensions")
 
 
-def _state_tensors(cache: Any, spec: Any) -> tuple[Any, Any]:
+def _state_tensors(cache: Tensor | Sequence[Tensor], spec: Any) -> tuple[Tensor, Tensor]:
     """(conv, ssm) of a Mamba layer: vLLM's own two views (<= 0.22), or the spec's shapes
     over 0.34's one int8 page per block."""
-    if isinstance(cache, (list, tuple)):
+    if not hasattr(cache, "data_ptr"):
         return cache[0], cache[1]
+    assert not isinstance(cache, Sequence)
     (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = spec.shapes[:2], spec.dtypes[:2]
     blocks = int(cache.shape[0])
     conv_bytes = int(np.prod(conv_shape)) * conv_dtype.itemsize
@@ -237,7 +242,7 @@ def _state_tensors(cache: Any, spec: Any) -> tuple[Any, Any]:
             .view(blocks, *ssm_shape))
 
 
-def state_parts(cache: Any, spec: Any, conv_layout: str,
+def state_parts(cache: Tensor | Sequence[Tensor], spec: Any, conv_layout: str,
                 sections: Sequence[tuple[str, int, int]], rank: int, tp: int
                 ) -> tuple[Part, ...]:
     """A Mamba/GDN layer's parts: one per conv section (``(name, local channels, global
