@@ -125,3 +125,20 @@ def test_the_readme_documents_every_family_and_its_nixl_twin():
         assert f"`{family.name}`" in readme, family.name
     for nixl, ours in metrics.NIXL_EQUIVALENT.items():
         assert f"`{nixl}`" in readme and ours in {f.name for f in metrics.FAMILIES}
+
+
+def test_every_counted_stat_is_an_exported_family_and_gauges_report_levels():
+    """A worker can count only what Prometheus shows (``Stat`` names a family), and a
+    level set twice reports the level, not the difference."""
+    from vllm_flagcx.connector.counters import Counters
+
+    families = {f.key: f for f in metrics.FAMILIES}
+    assert {s.value for s in metrics.Stat} <= set(families)
+    counters = Counters()
+    counters.set(metrics.Stat.REGISTERED_STORAGES, 5)
+    counters.add(metrics.Stat.REFUSED_PEERS)
+    assert counters.take_delta() == {"registered_storages": 5, "refused_peers": 1}
+    counters.set(metrics.Stat.REGISTERED_STORAGES, 7)
+    counters.add(metrics.Stat.REFUSED_PEERS, 2)
+    assert counters.take_delta() == {"registered_storages": 7, "refused_peers": 2}
+    assert counters.take_delta() == {}

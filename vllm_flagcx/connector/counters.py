@@ -10,31 +10,36 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
+from vllm_flagcx.wire.metrics import GAUGE_KEYS, Stat
+
 
 def delta(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
-    """Counters that changed since ``before`` (stats are sent to vLLM as deltas)."""
-    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+    """What changed since ``before``: a counter by how much (stats are sent to vLLM as
+    deltas), a gauge (``wire.metrics.GAUGE_KEYS``) as its new level."""
+    return {k: v if k in GAUGE_KEYS else v - before.get(k, 0) for k, v in now.items()
+            if v != before.get(k, 0)}
 
 
 class Counters:
-    """Named float counters; a name never counted reads as 0 (``get`` gives ``default``)."""
+    """Float counters keyed by ``Stat`` (every one an exported family); read back by its
+    key string, and a key never counted reads as 0 (``get`` gives ``default``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, float] = {}
         self._reported: dict[str, float] = {}
 
-    def add(self, name: str, amount: float = 1.0) -> float:
-        """Count ``amount`` more under ``name``; the new total."""
+    def add(self, stat: Stat, amount: float = 1.0) -> float:
+        """Count ``amount`` more of ``stat``; the new total."""
         with self._lock:
-            total = self._values.get(name, 0.0) + amount
-            self._values[name] = total
+            total = self._values.get(stat.value, 0.0) + amount
+            self._values[stat.value] = total
             return total
 
-    def set(self, name: str, value: float) -> None:
+    def set(self, stat: Stat, value: float) -> None:
         """A level rather than a count (e.g. how many storages were registered)."""
         with self._lock:
-            self._values[name] = value
+            self._values[stat.value] = value
 
     def __getitem__(self, name: str) -> float:
         with self._lock:

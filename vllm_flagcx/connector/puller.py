@@ -31,6 +31,7 @@ from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire import params as wire_params
+from vllm_flagcx.wire.metrics import Stat
 from vllm_flagcx.wire.params import RemotePrefill
 
 logger = logging.getLogger("vllm_flagcx")
@@ -202,9 +203,9 @@ class Puller:
         self._observations.observe("transfer_seconds", took)
         self._observations.observe("transfer_bytes", total)
         self._observations.observe("transfer_descriptors", descriptors)
-        self._counters.add("recv_bytes", total)
-        self._counters.add("recv_seconds", took)
-        self._counters.add("recv_requests")
+        self._counters.add(Stat.RECV_BYTES, total)
+        self._counters.add(Stat.RECV_SECONDS, took)
+        self._counters.add(Stat.RECV_REQUESTS)
         with self._lock:
             self._finished[task.request_id] = clock
 
@@ -245,7 +246,7 @@ class Puller:
                     f"{transfer_id!r}: the reply is not this request's")
         checked = self._integrity_checked()
         if checked and reply.num_descriptors and not reply.sample:
-            self._counters.add("integrity_failures")
+            self._counters.add(Stat.INTEGRITY_FAILURES)
             return (f"P rank {p_rank} wrote {reply.num_descriptors} descriptors and sent no "
                     "integrity sample: the load is unproven (is verify_integrity false on "
                     "prefill? set it the same on both instances)")
@@ -258,7 +259,7 @@ class Puller:
                     f"{stray[0]:#x}, outside this worker's KV caches")
         got = integrity.checksum(list(reply.sample), read_kv)
         if got != reply.sample_crc:
-            self._counters.add("integrity_failures")
+            self._counters.add(Stat.INTEGRITY_FAILURES)
             return (f"P rank {p_rank}: integrity check failed (crc {got:#x} != "
                     f"{reply.sample_crc:#x}): the transport reported success but bytes did "
                     "not land")
@@ -275,10 +276,10 @@ class Puller:
         mismatch = integrity.receiver_mismatch(
             views, reply.digests, [list(g) for g in task.block_ids], (s.tp_rank, s.tp_size),
             (p_rank, p_tp))
-        self._counters.add("integrity_digest_layers", len(reply.digests))
+        self._counters.add(Stat.INTEGRITY_DIGEST_LAYERS, len(reply.digests))
         if mismatch is None:
             return None
-        self._counters.add("integrity_failures")
+        self._counters.add(Stat.INTEGRITY_FAILURES)
         return f"P rank {p_rank}: {mismatch}"
 
     def _integrity_checked(self) -> bool:
@@ -288,7 +289,7 @@ class Puller:
             if not self._counters.get("integrity_skipped_device"):
                 logger.info("FlagCX integrity check skipped: device memory that the CUDA "
                             "driver cannot read")
-            self._counters.set("integrity_skipped_device", 1)
+            self._counters.set(Stat.INTEGRITY_SKIPPED_DEVICE, 1)
             return False
         return True
 
@@ -310,7 +311,7 @@ class Puller:
             left = hold_until - time.monotonic()
             if left <= 0:
                 break
-            self._counters.add("release_retries")
+            self._counters.add(Stat.RELEASE_RETRIES)
             confirmed = self._release(task.remote.transfer_id, task.remote,
                                       min(self._settings.lease_seconds, left))
         if not confirmed:

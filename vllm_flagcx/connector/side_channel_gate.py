@@ -18,6 +18,7 @@ from vllm_flagcx.connector.counters import Counters
 from vllm_flagcx.connector.peer_credentials import Owner, PeerCheck
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.metrics import Stat
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -58,7 +59,7 @@ class Gate:
 
         frames = [p.bytes for p in parts]
         if len(frames) != 3 or frames[1] != b"":
-            self._counters.add("malformed_messages")
+            self._counters.add(Stat.MALFORMED_MESSAGES)
             return None  # not a REQ envelope: nobody to answer
         ident, _, frame = frames
         try:
@@ -67,7 +68,7 @@ class Gate:
             fd = None
         refusal, peer = self._peers.inspect(fd)
         if refusal is not None:  # answered bare, before the payload is looked at
-            refused = self._counters.add("refused_peers")
+            refused = self._counters.add(Stat.REFUSED_PEERS)
             if refused in _WARN_AT:
                 logger.warning("FlagCX side channel: refused %d message(s) from local peers "
                                "so far: %s", refused, refusal)
@@ -75,7 +76,7 @@ class Gate:
         try:
             data = auth.unseal(self._key, frame)
         except auth.AuthError as exc:  # answered bare: the sender may lack the key
-            refused = self._counters.add("unauthenticated_messages")
+            refused = self._counters.add(Stat.UNAUTHENTICATED_MESSAGES)
             if refused in _WARN_AT:
                 logger.warning("FlagCX side channel: refused %d unauthenticated message(s) "
                                "so far: %s", refused, exc)
@@ -89,5 +90,5 @@ class Gate:
         ``admit`` found for the same message (the kernel is not asked again)."""
         refused = self._peers.pid_refusal(peer, pid)
         if refused is not None:
-            self._counters.add("refused_peers")
+            self._counters.add(Stat.REFUSED_PEERS)
         return refused

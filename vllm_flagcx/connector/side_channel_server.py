@@ -42,6 +42,7 @@ from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.metrics import Stat
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -227,7 +228,7 @@ class SideChannelServer:
         try:
             reply = self._handle(verdict.ident, verdict.data, verdict.peer, verdict.role)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
-            self._counters.add("malformed_messages")
+            self._counters.add(Stat.MALFORMED_MESSAGES)
             logger.warning("FlagCX side channel: message refused: %s: %s",
                            type(exc).__name__, exc)
             reply = hs.HandshakeRefused(f"refused: {type(exc).__name__}")
@@ -244,12 +245,12 @@ class SideChannelServer:
         except hs.HandshakeError as exc:
             return hs.HandshakeRefused(str(exc))
         if role != "decode" and type(message).__name__ not in curve.ROUTER_MAY:
-            self._counters.add("refused_roles")
+            self._counters.add(Stat.REFUSED_ROLES)
             return hs.HandshakeRefused(f"the {role or 'unknown'} credential may send "
                                        f"{' and '.join(curve.ROUTER_MAY)} only, not "
                                        f"{type(message).__name__}")
         if isinstance(message, hs.HandshakeRequest):
-            self._counters.add("handshakes_served")
+            self._counters.add(Stat.HANDSHAKES_SERVED)
             if message.protocol_version != hs.PROTOCOL_VERSION:
                 return hs.HandshakeRefused(
                     f"protocol_version: local {hs.PROTOCOL_VERSION}, remote "
@@ -258,7 +259,7 @@ class SideChannelServer:
         if isinstance(message, hs.Heartbeat):
             renewed = self._sends.renew(list(message.transfer_ids),
                                        time.monotonic() + self._settings.lease_seconds)
-            self._counters.add("lease_renewals", renewed)
+            self._counters.add(Stat.LEASE_RENEWALS, renewed)
             return hs.Ack(",".join(message.transfer_ids)[:256])
         if isinstance(message, hs.Release):  # acknowledged once no write is in flight
             if not self._sends.release(message.transfer_id, ident):
@@ -291,7 +292,7 @@ class SideChannelServer:
         refusal, replaced = self.parked.park(ParkedPull(
             ident, pull, now + self._settings.lease_seconds, size, armed))
         if refusal is not None:
-            self._counters.add("pulls_refused_parking_full")
+            self._counters.add(Stat.PULLS_REFUSED_PARKING_FULL)
             return hs.PullReply(pull.transfer_id, False, refusal)
         if replaced is not None and replaced != ident:
             self._post(replaced, _superseded(pull))

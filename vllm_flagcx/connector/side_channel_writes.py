@@ -23,6 +23,7 @@ from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.layout import bounds, plans
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.metrics import Stat
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -73,7 +74,7 @@ class SideChannelWrites:
             reply = hs.PullReply(pull.transfer_id, False, f"{type(exc).__name__}: {exc}")
         finally:
             if not reply.ok:
-                self._counters.add("send_failures")
+                self._counters.add(Stat.SEND_FAILURES)
             waiters = self._sends.finish(pull.transfer_id, send, pull.sheet.tp_rank,
                                          pull.sheet.tp_size)
         self._post(ident, reply)
@@ -105,9 +106,9 @@ class SideChannelWrites:
             self._connections.pop(pull.sheet.incarnation, None)
             return hs.PullReply(pull.transfer_id, False, result.error)
         written = time.monotonic()
-        self._counters.add("send_bytes", plan.num_bytes)
-        self._counters.add("send_descriptors", plan.num_descriptors)
-        self._counters.add("send_seconds", written - started)
+        self._counters.add(Stat.SEND_BYTES, plan.num_bytes)
+        self._counters.add(Stat.SEND_DESCRIPTORS, plan.num_descriptors)
+        self._counters.add(Stat.SEND_SECONDS, written - started)
         sample, crc = self._byte_sample(plan, pull)
         bytes_read = time.monotonic()
         digests = self._digests(send, pull)

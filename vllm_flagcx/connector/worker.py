@@ -42,6 +42,7 @@ from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.layout.regions import Region, kernel_ratios, model_page_bytes
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.metrics import Stat
 
 logger = logging.getLogger("vllm_flagcx")
 __all__ = ["STAGES", "WorkerHalf", "WorkerSettings", "kernel_ratios", "model_page_bytes"]
@@ -74,7 +75,7 @@ class WorkerHalf:
         the full logical digest is neither sent nor checked."""
         reg = register(self.settings, self.transport, regions, logical_num_blocks, views)
         self.registration = reg
-        self.stats.set("registered_storages", len(reg.storages))
+        self.stats.set(Stat.REGISTERED_STORAGES, len(reg.storages))
         self.puller = Puller(self.settings, reg, self.ledger, self.stats, self.observations,
                              self.in_flight)
         if serve:
@@ -121,8 +122,8 @@ class WorkerHalf:
             self._step_idle = False
             waited = self.in_flight.wait_idle(self.settings.idle_step_wait_seconds)
             if waited:
-                self.stats.add("idle_step_waits")
-        self.stats.add("expired_leases", self.sends.expire(time.monotonic()))
+                self.stats.add(Stat.IDLE_STEP_WAITS)
+        self.stats.add(Stat.EXPIRED_LEASES, self.sends.expire(time.monotonic()))
         failed, blocks = self.ledger.drain()
         loaded = self.puller.take_finished() if self.puller is not None else {}
         with self._lock:
@@ -152,7 +153,6 @@ class WorkerHalf:
         """Transfer counters since the previous call, with the histogram samples and the
         gauges of ``observations`` (the keys of ``wire.metrics``)."""
         delta: dict[str, Any] = dict(self.stats.take_delta())
-        delta.pop("registered_storages", None)
         delta.update(self.observations.take(pending_sends=len(self.sends)))
         return delta
 

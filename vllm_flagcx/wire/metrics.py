@@ -37,6 +37,34 @@ DESCRIPTOR_BUCKETS = (10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 400.0, 1000.0,
 MAX_SAMPLES_PER_REPORT = 4096  # a histogram key's samples kept per step and worker
 
 
+class Stat(str, enum.Enum):
+    """What a worker counts (``connector.counters.Counters``): each member is the key of
+    one exported family below, so a count that Prometheus would not show cannot be
+    named (``tests/test_metrics.py`` holds both directions)."""
+
+    SEND_BYTES = "send_bytes"
+    SEND_DESCRIPTORS = "send_descriptors"
+    SEND_SECONDS = "send_seconds"
+    SEND_FAILURES = "send_failures"
+    RECV_REQUESTS = "recv_requests"
+    RECV_BYTES = "recv_bytes"
+    RECV_SECONDS = "recv_seconds"
+    EXPIRED_LEASES = "expired_leases"
+    LEASE_RENEWALS = "lease_renewals"
+    RELEASE_RETRIES = "release_retries"
+    INTEGRITY_FAILURES = "integrity_failures"
+    INTEGRITY_DIGEST_LAYERS = "integrity_digest_layers"
+    INTEGRITY_SKIPPED_DEVICE = "integrity_skipped_device"
+    IDLE_STEP_WAITS = "idle_step_waits"
+    HANDSHAKES_SERVED = "handshakes_served"
+    REFUSED_PEERS = "refused_peers"
+    REFUSED_ROLES = "refused_roles"
+    UNAUTHENTICATED_MESSAGES = "unauthenticated_messages"
+    MALFORMED_MESSAGES = "malformed_messages"
+    PULLS_REFUSED_PARKING_FULL = "pulls_refused_parking_full"
+    REGISTERED_STORAGES = "registered_storages"
+
+
 @dataclass(frozen=True)
 class Family:
     """One exported family: the key in the stats dict, its Prometheus name and kind."""
@@ -100,6 +128,34 @@ FAMILIES: tuple[Family, ...] = (
            "Pulls whose bytes failed the integrity check", "decode"),
     Family("idle_step_waits", "vllm:flagcx_idle_step_waits", Kind.COUNTER,
            "Engine steps with no token to compute that waited for transfers in flight",
+           "both"),
+    Family("send_failures", "vllm:flagcx_send_failures", Kind.COUNTER,
+           "Pulls prefill could not write (the transport failed, or the write started too "
+           "late)", "prefill"),
+    Family("lease_renewals", "vllm:flagcx_lease_renewals", Kind.COUNTER,
+           "Held transfers whose lease decode's heartbeat renewed", "prefill"),
+    Family("integrity_digest_layers", "vllm:flagcx_integrity_digest_layers", Kind.COUNTER,
+           "Layer digests decode compared with prefill's (the full logical digest)",
+           "decode"),
+    Family("integrity_skipped_device", "vllm:flagcx_integrity_skipped_device", Kind.GAUGE,
+           "1 where the byte sample is skipped (device memory the CUDA driver cannot read)",
+           "decode"),
+    Family("handshakes_served", "vllm:flagcx_handshakes_served", Kind.COUNTER,
+           "Fact sheets prefill sent to decode workers", "prefill"),
+    Family("refused_peers", "vllm:flagcx_refused_peers", Kind.COUNTER,
+           "Side-channel messages refused by who sent them (another user or host without "
+           "the secret, or a same-host pull from a process that does not own its socket)",
+           "prefill"),
+    Family("refused_roles", "vllm:flagcx_refused_roles", Kind.COUNTER,
+           "Side-channel messages a router credential may not send", "prefill"),
+    Family("unauthenticated_messages", "vllm:flagcx_unauthenticated_messages", Kind.COUNTER,
+           "Side-channel messages without a valid MAC (a secret is set)", "prefill"),
+    Family("malformed_messages", "vllm:flagcx_malformed_messages", Kind.COUNTER,
+           "Side-channel messages that did not decode or broke their handler", "prefill"),
+    Family("pulls_refused_parking_full", "vllm:flagcx_pulls_refused_parking_full",
+           Kind.COUNTER, "Early pulls refused because the parking lot was full", "prefill"),
+    Family("registered_storages", "vllm:flagcx_registered_storages", Kind.GAUGE,
+           "KV cache storages the transport registered (one per contiguous allocation)",
            "both"),
 )
 
