@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from vllm_flagcx.connector.counters import Counters, delta
+from vllm_flagcx.wire.metrics import Stat
 
 
 def test_increments_from_many_threads_are_never_lost():
@@ -12,7 +13,7 @@ def test_increments_from_many_threads_are_never_lost():
 
     def count() -> None:
         for _ in range(5000):
-            counters.add("recv_bytes", 2)
+            counters.add(Stat.RECV_BYTES, 2)
 
     threads = [threading.Thread(target=count) for _ in range(8)]
     for t in threads:
@@ -26,18 +27,18 @@ def test_add_returns_the_running_total_and_unknown_names_read_as_zero():
     counters = Counters()
     assert counters["refused_peers"] == 0
     assert counters.get("refused_peers") is None
-    assert [counters.add("refused_peers") for _ in range(3)] == [1, 2, 3]
+    assert [counters.add(Stat.REFUSED_PEERS) for _ in range(3)] == [1, 2, 3]
     assert counters.get("refused_peers", 0) == 3
 
 
 def test_take_delta_reports_each_change_once():
     counters = Counters()
-    counters.add("send_bytes", 100)
+    counters.add(Stat.SEND_BYTES, 100)
     counters.set("registered_storages", 4)
     assert counters.take_delta() == {"send_bytes": 100, "registered_storages": 4}
     assert counters.take_delta() == {}
-    counters.add("send_bytes", 20)
-    counters.add("expired_leases", 0)  # counted, unchanged: not reported
+    counters.add(Stat.SEND_BYTES, 20)
+    counters.add(Stat.EXPIRED_LEASES, 0)  # counted, unchanged: not reported
     assert counters.take_delta() == {"send_bytes": 20}
 
 
