@@ -34,7 +34,7 @@ def test_add_returns_the_running_total_and_unknown_names_read_as_zero():
 def test_take_delta_reports_each_change_once():
     counters = Counters()
     counters.add(Stat.SEND_BYTES, 100)
-    counters.set("registered_storages", 4)
+    counters.set(Stat.REGISTERED_STORAGES, 4)
     assert counters.take_delta() == {"send_bytes": 100, "registered_storages": 4}
     assert counters.take_delta() == {}
     counters.add(Stat.SEND_BYTES, 20)
