@@ -112,3 +112,33 @@ def test_installed_platform_is_read():
 
     traits = probe.installed_platform_traits()
     assert traits.enum_name in {"CPU", "UNSPECIFIED", "CUDA", "ROCM", "OOT"}
+
+
+def test_an_override_names_the_release_and_doctor_says_where_the_version_came_from(
+        monkeypatch):
+    from vllm_flagcx.compat import version
+
+    monkeypatch.setenv(version.VERSION_OVERRIDE_ENV, "0.30.0")
+    assert version.installed_version().release == (0, 30, 0)
+    assert version.VERSION_OVERRIDE_ENV in version.version_source()
+    monkeypatch.delenv(version.VERSION_OVERRIDE_ENV)
+    assert version.version_source() in ("vllm.__version__",) or \
+        version.version_source().startswith("metadata of")
+
+
+def test_an_unparsable_version_is_decided_by_features_not_read_as_zero(monkeypatch):
+    """A vendor string packaging cannot read (vllm-ascend's pattern) must not send the
+    HMA default down the pre-0.22 branch: the trace in VllmConfig decides, and agrees
+    with the branch this build's real version takes; doctor names the fix."""
+    import io
+
+    from vllm_flagcx import doctor
+    from vllm_flagcx.compat import probe, version
+
+    real = probe._hma_default()
+    monkeypatch.setenv(version.VERSION_OVERRIDE_ENV, "ascend-v0.x~rc")
+    assert version.installed_version().release == (0, 0, 0)
+    assert probe._hma_default() == real
+    out = io.StringIO()
+    doctor.render(doctor.collect(), out)
+    assert "does not parse" in out.getvalue() and version.VERSION_OVERRIDE_ENV in out.getvalue()

@@ -33,6 +33,9 @@ def collect() -> dict[str, Any]:
                 mismatches[key] = {"expected": expected, "found": found.get(key, "unknown")}
     return {
         "vllm_version": vllm_version.raw,
+        "version_source": version.version_source(),
+        "version_parsed": vllm_version.version != version.parse_vllm_version("").version,
+        "version_override_env": version.VERSION_OVERRIDE_ENV,
         "release": ".".join(map(str, vllm_version.release)),
         "local": vllm_version.local,
         "distribution": version.installed_distribution(),
@@ -48,7 +51,12 @@ def collect() -> dict[str, Any]:
 def render(data: dict[str, Any], out: TextIO) -> None:
     p = data["platform"]
     out.write(f"vLLM {data['vllm_version']} (release {data['release']}, "
-              f"distribution {data['distribution'] or 'unknown'})\n")
+              f"distribution {data['distribution'] or 'unknown'}; read from "
+              f"{data['version_source']})\n")
+    if not data["version_parsed"]:
+        out.write(f"  the version string does not parse: features decide every branch; "
+                  f"set {data['version_override_env']}=<release> (e.g. 0.30.0) to name the API "
+                  "it carries\n")
     out.write(f"vendor {data['vendor']}  platform device_name={p['device_name'] or '-'} "
               f"enum={p['enum_name']} cuda_alike={p['is_cuda_alike']}\n")
     build = data["matrix_build"]

