@@ -222,9 +222,13 @@ def test_many_prefill_ranks_to_few_decode_ranks_move_every_element(eight_kv_head
                                                                    d_tp):
     """4 -> 1, 8 -> 1 and 8 -> 2 with 8 KV heads (each decode rank asks 4-8 prefill
     ranks) load, byte for byte, with every prefill rank's full digest checked; the
-    hybrid (its 4 ssm heads allow TP 4 at most) with its GDN state too (the
-    logical sample's per-request key cap refused them all: "128 logical integrity keys,
-    at most 64")."""
+    hybrid (its 4 ssm heads allow TP 4 at most; where vLLM can finish its remote loads)
+    with its GDN state too. The logical sample's per-request key cap refused them all
+    ("128 logical integrity keys, at most 64")."""
+    from vllm_flagcx.compat.probe import FEATURES_BY_KEY
+
+    if model == "hybrid" and FEATURES_BY_KEY["hybrid_async_load"].probe() == "single_group":
+        pytest.skip("this vLLM cannot finish remote loads of hybrid requests")
     port = pd.free_port()
     p = pd.build_instance("kv_producer", p_tp, port, model=model, seed=3)
     d = pd.build_instance("kv_consumer", d_tp, port + 9, model=model, seed=4)
