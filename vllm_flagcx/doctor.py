@@ -34,7 +34,7 @@ def collect() -> dict[str, Any]:
     return {
         "vllm_version": vllm_version.raw,
         "version_source": version.version_source(),
-        "version_parsed": vllm_version.version != version.parse_vllm_version("").version,
+        "version_parsed": not vllm_version.unreadable,
         "version_override_env": version.VERSION_OVERRIDE_ENV,
         "release": ".".join(map(str, vllm_version.release)),
         "local": vllm_version.local,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ import numpy as np
 from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
 from vllm_flagcx.compat.kv_layout import kv_dimension
 from vllm_flagcx.layout import digest
+from vllm_flagcx.layout.plans import expand_to_kernel_blocks
 
 if TYPE_CHECKING:
     from torch import Tensor, device
@@ -53,9 +54,22 @@ class LayerView:
     ratio: int = 1  # kernel blocks per logical block
 
 
-def _kernel_ids(block_ids: Sequence[int], ratio: int) -> np.ndarray:
-    ids = np.asarray(block_ids, dtype=np.int64)
-    return (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)).reshape(-1)
+def _written_parts(views: Mapping[str, LayerView], block_ids: Sequence[Sequence[int]],
+                   me: tuple[int, int], peer: tuple[int, int], sending: bool
+                   ) -> Iterator[tuple[str, LayerView, Part, range, Sequence[int]]]:
+    """(layer, its view, part, the global units of it in this transfer, the group's block
+    ids) for every part with bytes in the transfer: what both the torch digest and the
+    kernel's tiles cover. ``me`` (rank, TP) writes into ``peer`` (``sending``) or
+    receives from it."""
+    sender, receiver = (me, peer) if sending else (peer, me)
+    for name, layer in views.items():
+        ids = block_ids[layer.group] if layer.group < len(block_ids) else ()
+        if not len(ids):
+            continue
+        for part in layer.parts:
+            units = digest.written_units(sender, receiver, part.global_units, part.replicated)
+            if len(units):
+                yield name, layer, part, units, ids
 
 
 _WORD_DTYPES: dict[int, str] = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
@@ -100,25 +114,17 @@ def layer_digests(views: Mapping[str, LayerView], block_ids: Sequence[Sequence[i
     import torch
 
     sums: dict[str, list[Tensor]] = {}
-    device = None
     with _side_stream(next(iter(views.values())).parts[0].view.device if views else None):
         indexes: dict[tuple[int, int], Tensor] = {}
-        for name, layer in views.items():
-            ids = block_ids[layer.group] if layer.group < len(block_ids) else ()
-            if not len(ids):
-                continue
-            for part in layer.parts:
-                sender, receiver = (me, peer) if sending else (peer, me)
-                units = digest.written_units(sender, receiver, part.global_units,
-                                             part.replicated)
-                if not len(units):
-                    continue
-                device = part.view.device
-                key = (layer.group, layer.ratio)
-                if key not in indexes:
-                    indexes[key] = torch.from_numpy(_kernel_ids(ids, layer.ratio)).to(device)
-                sums.setdefault(name, []).append(_part_sum(part, name, indexes[key], units,
-                                                           device))
+        for name, layer, part, units, ids in _written_parts(views, block_ids, me, peer,
+                                                            sending):
+            device = part.view.device
+            key = (layer.group, layer.ratio)
+            if key not in indexes:
+                indexes[key] = torch.from_numpy(
+                    expand_to_kernel_blocks(ids, layer.ratio)).to(device)
+            sums.setdefault(name, []).append(_part_sum(part, name, indexes[key], units,
+                                                       device))
         if not sums:
             return {}
         flat = torch.stack([s for parts in sums.values() for s in parts]).cpu().numpy()
@@ -164,27 +170,20 @@ def digest_tiles(views: Mapping[str, LayerView], block_ids: Sequence[Sequence[in
     ids: list[np.ndarray] = []
     at: dict[tuple[int, int], int] = {}
     size = 0
-    for name, layer in views.items():
-        group_ids = block_ids[layer.group] if layer.group < len(block_ids) else ()
-        if not len(group_ids):
-            continue
+    for name, layer, part, units, group_ids in _written_parts(views, block_ids, me, peer,
+                                                              sending):
         key = (layer.group, layer.ratio)
         if key not in at:
-            ids.append(_kernel_ids(group_ids, layer.ratio))
+            ids.append(expand_to_kernel_blocks(group_ids, layer.ratio))
             at[key] = size
             size += int(ids[-1].size)
-        for part in layer.parts:
-            sender, receiver = (me, peer) if sending else (peer, me)
-            units = digest.written_units(sender, receiver, part.global_units, part.replicated)
-            if not len(units):
-                continue
-            if not names or names[-1] != name:
-                names.append(name)
-            tile = _tile(part, units, name, at[key], len(group_ids) * layer.ratio,
-                         len(names) - 1)
-            if tile is None:
-                return None
-            tiles.append(tile)
+        if not names or names[-1] != name:
+            names.append(name)
+        tile = _tile(part, units, name, at[key], len(group_ids) * layer.ratio,
+                     len(names) - 1)
+        if tile is None:
+            return None
+        tiles.append(tile)
     flat = np.asarray([x & digest.MASK for t in tiles for x in t], dtype=np.uint64)
     return names, flat, (np.concatenate(ids) if ids else np.zeros(0, np.int64))
 

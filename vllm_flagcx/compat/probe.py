@@ -168,7 +168,7 @@ def _hma_default() -> str:
     # string that does not parse (a vendor dev build) is decided by that trace in
     # VllmConfig's source instead of being read as 0.0.0.
     installed = version.installed_version()
-    if installed.version == version.parse_vllm_version("").version:
+    if installed.unreadable:
         source = inspect.getsource(importlib.import_module("vllm.config").VllmConfig)
         return "auto" if "supports_hma" in source else "off_with_connector"
     return "auto" if installed.at_least("0.22") else "off_with_connector"

@@ -50,6 +50,11 @@ class VllmVersion:
         return self.version.local
 
     @property
+    def unreadable(self) -> bool:
+        """The string did not parse (read as ``0.0.0.dev0``): features must decide."""
+        return self.version == Version(_DEV_FALLBACK)
+
+    @property
     def is_dev(self) -> bool:
         return self.raw == "dev" or self.version.is_devrelease
 
@@ -92,33 +97,30 @@ def installed_distribution() -> str | None:
     return providers[0] if providers else None
 
 
-def version_source() -> str:
-    """Where ``installed_version_string`` reads the version (``doctor`` says it)."""
-    if os.environ.get(VERSION_OVERRIDE_ENV, "").strip():
-        return f"{VERSION_OVERRIDE_ENV} (override)"
+def _installed_version_and_source() -> tuple[str, str]:
+    """(the version string, where it was read): ``VLLM_FLAGCX_VLLM_VERSION`` where set,
+    else ``vllm.__version__``, falling back to the installed distribution's metadata."""
+    override = os.environ.get(VERSION_OVERRIDE_ENV, "").strip()
+    if override:
+        return override, f"{VERSION_OVERRIDE_ENV} (override)"
     import vllm
 
     raw = getattr(vllm, "__version__", None)
     if raw and raw != "dev":
-        return "vllm.__version__"
-    return f"metadata of {installed_distribution() or 'no distribution'}"
+        return str(raw), "vllm.__version__"
+    dist = installed_distribution()
+    if dist is not None:
+        return importlib.metadata.version(dist), f"metadata of {dist}"
+    return str(raw or "dev"), "metadata of no distribution"
+
+
+def version_source() -> str:
+    """Where ``installed_version_string`` reads the version (``doctor`` says it)."""
+    return _installed_version_and_source()[1]
 
 
 def installed_version_string() -> str:
-    """``VLLM_FLAGCX_VLLM_VERSION`` where set, else ``vllm.__version__``, falling back to
-    the installed distribution's metadata."""
-    override = os.environ.get(VERSION_OVERRIDE_ENV, "").strip()
-    if override:
-        return override
-    import vllm
-
-    raw = getattr(vllm, "__version__", None)
-    if raw and raw != "dev":
-        return str(raw)
-    dist = installed_distribution()
-    if dist is not None:
-        return importlib.metadata.version(dist)
-    return str(raw or "dev")
+    return _installed_version_and_source()[0]
 
 
 def installed_version() -> VllmVersion:

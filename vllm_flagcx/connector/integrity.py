@@ -112,14 +112,14 @@ def layer_digests(views: Mapping[str, Any], block_ids: Sequence[Sequence[int]],
     if first is None or first.device.type != "cuda" or _KERNEL_CHECKED.get(
             first.get_device()) is False:
         return kv_views.layer_digests(views, block_ids, me, peer, sending)
-    ordinal = int(first.get_device())
-    tiles = kv_views.digest_tiles(views, block_ids, me, peer, sending)
     from vllm_flagcx.transport import cuda_ipc
 
+    ordinal = int(first.get_device())
+    tiles = kv_views.digest_tiles(views, block_ids, me, peer, sending)
     cuda = cuda_ipc.driver()
-    sums = None if tiles is None or cuda is None or not tiles[0] else cuda.digest(
-        ordinal, tiles[1], tiles[2], len(tiles[0]))
-    if sums is None or tiles is None:
+    sums = cuda.digest(ordinal, tiles[1], tiles[2], len(tiles[0])) \
+        if tiles is not None and tiles[0] and cuda is not None else None
+    if sums is None or tiles is None:  # no kernel, or a part it cannot tile
         return kv_views.layer_digests(views, block_ids, me, peer, sending)
     got = dict(zip(tiles[0], (int(x) for x in sums.tolist()), strict=True))
     if ordinal not in _KERNEL_CHECKED:

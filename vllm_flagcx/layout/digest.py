@@ -55,9 +55,10 @@ def weights(salt: int, count: int, start: int = 0) -> np.ndarray:
     return _mix(coords ^ np.uint64(salt & MASK))
 
 
+@functools.lru_cache(maxsize=8192)
 def salt(layer: str, part: str) -> int:
     """A stable 64-bit salt per (layer, part): one layer's rows never stand in for
-    another's, nor K for V."""
+    another's, nor K for V. Cached: both sides ask for every part on every pull."""
     return int.from_bytes(hashlib.blake2b(f"{layer}\0{part}".encode(), digest_size=8)
                           .digest(), "little")
 
