@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from benchmarks import peer, report, use_test_helpers
-from vllm_flagcx.wire import auth, client
+from vllm_flagcx.wire import auth, client, endpoints
 from vllm_flagcx.wire import handshake as hs
 
 SECRET = "bench-secret-of-32-characters!!!"
@@ -35,12 +35,26 @@ def _greeting() -> bytes:
     return greeting + b"\x04" + bytes([len(body)]) + body
 
 
-def _flood(port: int, seconds: float, sent: list[int], frames: int = 48) -> None:
+def _connect(port: int, unix: bool) -> socket.socket:
+    """A raw connection to the side channel: its TCP port, or (``unix``) its socket."""
+    if not unix:
+        return socket.create_connection(("127.0.0.1", port), timeout=1.0)
+    path = endpoints.local_socket("127.0.0.1", port)
+    if path is None:
+        raise FileNotFoundError(f"no side-channel socket for port {port}")
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(1.0)
+    s.connect(path)
+    return s
+
+
+def _flood(port: int, seconds: float, sent: list[int], frames: int = 48,
+           unix: bool = False) -> None:
     chunk = b"\x03" + struct.pack(">Q", FRAME) + b"x" * FRAME  # long frame, more follows
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+            with _connect(port, unix) as s:
                 s.sendall(_greeting())
                 for _ in range(frames):
                     if time.monotonic() > deadline:
@@ -76,8 +90,10 @@ def _handshakes(port: int, key: bytes, seconds: float) -> list[float]:
 
 def _control_growth(seconds: float) -> tuple[float, int]:
     """The flooder against a side channel WITHOUT a secret (NULL mechanism, which reads
-    frames before any check): prefill's RSS growth, bytes taken. Shows the flood is
-    real, so B6's CURVE row can fail. One connection of 20 frames (300 MB) at most."""
+    frames before any check), over its Unix socket as the engine's own user (another
+    user cannot connect: the socket's directory is 0700): prefill's RSS growth, bytes
+    taken. Shows the flood is real, so B6's CURVE row can fail. One connection of 20
+    frames (300 MB) at most."""
     from testkit import peers
 
     from benchmarks.b4_handshake import _free_port
@@ -86,7 +102,7 @@ def _control_growth(seconds: float) -> tuple[float, int]:
     with peers.spawned(peer.keyed_prefill_side_channel, port, 2000, "",
                        start_timeout=120, stop="stop") as (_, pid):
         before, sent = _rss_mb(pid), [0]
-        flooder = threading.Thread(target=_flood, args=(port, seconds, sent, 20),
+        flooder = threading.Thread(target=_flood, args=(port, seconds, sent, 20, True),
                                    daemon=True)
         flooder.start()
         peak = before
@@ -124,7 +140,7 @@ def run(quick: bool) -> dict[str, Any]:
     rows = [("secret, no flood", f"{before:.0f}", "", "", q["median"], q["p99"]),
             (f"secret, {CONNECTIONS} flooders", f"{peak:.0f}", f"{peak - before:+.0f}",
              f"{sent[0] / 1e6:,.0f}", f["median"], f["p99"]),
-            ("control: no secret, 1 flooder", "", f"{control_growth:+.0f}",
+            ("control: no secret, same uid, 1 flooder", "", f"{control_growth:+.0f}",
              f"{control_sent / 1e6:,.0f}", "", "")]
     text = report.table(
         f"B6 unauthenticated flood vs a prefill side channel ({seconds:g} s phases; RSS of "

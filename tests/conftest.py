@@ -4,9 +4,16 @@ build under test."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 from testkit import cpu_platform  # noqa: F401 - offline env and the CPU platform, before vLLM loads
+
+from vllm_flagcx.wire.endpoints import SOCKET_DIR_ENV
+
+# Each test session its own side-channel socket directory (0700, short path): concurrent
+# sessions on one machine never meet on a socket; engines this session starts inherit it.
+os.environ.setdefault(SOCKET_DIR_ENV, tempfile.mkdtemp(prefix="fx-"))
 
 
 @pytest.fixture(scope="session")

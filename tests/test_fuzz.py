@@ -23,7 +23,7 @@ from vllm_flagcx.router.app import build_app
 from vllm_flagcx.router.legs import RouterSettings
 from vllm_flagcx.router.pool import Instance, Pool
 from vllm_flagcx.router.proxy import Proxy
-from vllm_flagcx.wire import client
+from vllm_flagcx.wire import client, endpoints
 from vllm_flagcx.wire import handshake as hs
 
 SEED = 20261204
@@ -94,13 +94,13 @@ def test_side_channel_survives_fuzzed_messages_and_still_serves_a_real_request()
             if rng.random() < 0.2:  # no REQ envelope at all
                 dealer = context.socket(zmq.DEALER)
                 dealer.setsockopt(zmq.LINGER, 0)
-                dealer.connect(f"tcp://127.0.0.1:{port}")
+                dealer.connect(endpoints.address("127.0.0.1", port))
                 dealer.send_multipart(frames * rng.randrange(1, 4))
                 dealer.close()
                 continue
             sock = context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.connect(endpoints.address("127.0.0.1", port))
             sock.send(frames[0])
             if sock.poll(3000):  # parked pulls may not answer before their lease ends
                 answer = hs.decode(sock.recv())

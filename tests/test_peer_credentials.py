@@ -1,11 +1,13 @@
-"""Local peers of the side channel, as the kernel vouches for them.
+"""Same-host peers of the side channel, as the kernel recorded them at connect.
 
-Without a secret, only this uid may talk to prefill's side channel (before: any local
-user could pull, release, heartbeat and read the sheet over loopback TCP); with or without
-one, a same-host pull may only name its own process as the write's target (before: any
-pid the caller liked, so a root prefill wrote into a bystander). Tested against the real
-kernel tables (``/proc/net/tcp``, ``/proc/<pid>/fd``), with another uid where this test
-runs as root, and on crafted tables for the parsing.
+A same-host pull makes prefill write into the process the pull names; only the process
+that opened the Unix-socket connection, running as it did then, may be named. Before
+(loopback TCP, peers looked up by fd number afterwards): a pull over the host's routable
+address skipped the pid check and prefill wrote into a root bystander; an fd handed to a
+child and a 10 s verdict cache let a set-user-ID program be named; a closed connection's
+messages were attributed to the next connection holding the same fd number; and without
+a secret another uid could connect and make prefill buffer 3.5 GB. Tested on the real
+kernel (Unix sockets, ``/proc``), with another uid where this test runs as root.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import msgspec
@@ -22,99 +25,176 @@ import zmq
 from testkit import pd_harness as pd
 
 from vllm_flagcx.connector import peer_credentials as pc
-from vllm_flagcx.wire import client
+from vllm_flagcx.connector.counters import Counters
+from vllm_flagcx.connector.side_channel_gate import Admitted, Gate
+from vllm_flagcx.wire import client, endpoints
 from vllm_flagcx.wire import handshake as hs
 
-
-def _loopback_pair():
-    server = socket.create_server(("127.0.0.1", 0))
-    peer = socket.create_connection(server.getsockname())
-    conn, _ = server.accept()
-    return server, peer, conn
+NOBODY = 65534
 
 
-def test_the_kernel_names_this_process_as_the_owner_of_a_loopback_peer():
-    server, peer, conn = _loopback_pair()
-    try:
-        found = pc.connection_of(conn.fileno())
-        assert found is not None
-        remote, local = found
-        assert remote == peer.getsockname() and local == server.getsockname()
-        owner = pc.loopback_owner(remote, local)
-        assert owner is not None and owner.uid == os.getuid()
-        assert pc.holds_socket(os.getpid(), owner.inode)
-        assert not pc.holds_socket(1 if os.getpid() != 1 else 2, owner.inode)
-    finally:
-        for s in (peer, conn, server):
-            s.close()
+def _as_nobody(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child that drops to uid/gid 65534 after its imports."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ,
+                                           "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
-def test_the_tables_are_read_as_the_kernel_writes_them(tmp_path):
-    (tmp_path / "net").mkdir()
-    line = ("   0: 0100007F:D9B0 0100007F:15E0 01 00000000:00000000 00:00000000 00000000  "
-            "1234        0 987654 1 0000000000000000 20 4 30 10 -1\n")
-    (tmp_path / "net" / "tcp").write_text("  sl  local_address rem_address ...\n" + line)
-    owner = pc.loopback_owner(("127.0.0.1", 0xD9B0), ("127.0.0.1", 0x15E0), str(tmp_path))
-    assert owner == pc.Owner(1234, 987654)
-    assert pc.loopback_owner(("127.0.0.1", 1), ("127.0.0.1", 0x15E0), str(tmp_path)) is None
-    (tmp_path / "77" / "fd").mkdir(parents=True)
-    os.symlink("socket:[987654]", tmp_path / "77" / "fd" / "5")
-    assert pc.holds_socket(77, 987654, str(tmp_path))
-    assert not pc.holds_socket(77, 987655, str(tmp_path))
-    assert not pc.holds_socket(78, 987654, str(tmp_path))
+def test_libzmq_hands_every_message_the_kernels_record_of_its_connection():
+    with tempfile.TemporaryDirectory(prefix="fx-") as directory:
+        context = zmq.Context()
+        server, sender = context.socket(zmq.ROUTER), context.socket(zmq.REQ)
+        try:
+            server.bind(f"ipc://{directory}/s")
+            sender.connect(f"ipc://{directory}/s")
+            sender.send(b"x")
+            assert server.poll(5000)
+            parts = server.recv_multipart(copy=False)
+            assert pc.from_peer_address(parts[-1].get("Peer-Address")) == pc.this_process()
+        finally:
+            sender.close(0)
+            server.close(0)
+            context.term()
 
 
-def test_ipv6_and_mapped_loopback_addresses():
-    assert pc.is_loopback("::1") and pc.is_loopback("::ffff:127.0.0.1")
-    assert not pc.is_loopback("10.0.0.1") and not pc.is_loopback("nonsense")
-    assert pc._hex_address("::1", 80) == ("tcp6", "00000000000000000000000001000000:0050")
+def test_peer_addresses_without_a_full_record_are_not_credentials():
+    assert pc.from_peer_address("localhost:1000:100:4242") == pc.PeerCred(1000, 100, 4242)
+    for value in (None, "", "127.0.0.1", "::1", "localhost:1:2", "x:a:b:c", "h:0:0:0",
+                  "h:-1:0:5"):
+        assert pc.from_peer_address(value) is None, value
+
+
+def test_a_process_is_named_only_by_itself_as_it_ran_when_it_connected(tmp_path):
+    me = pc.this_process()
+    assert pc.target_refusal(me, me.pid) is None
+    assert "came over TCP" in pc.target_refusal(None, me.pid)
+    assert f"opened by pid {me.pid}" in pc.target_refusal(me, me.pid + 1)
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "status").write_text(
+        f"Name:\tx\nUid:\t{me.uid}\t0\t0\t0\nGid:\t{me.gid}\t{me.gid}\t{me.gid}\t{me.gid}\n")
+    setuid_exec = pc.PeerCred(me.uid, me.gid, 77)
+    if me.uid != 0:  # a set-user-ID root program: effective, saved and fs uid 0
+        assert "now runs as uids" in pc.target_refusal(setuid_exec, 77, str(tmp_path))
+    assert pc.target_refusal(pc.PeerCred(me.uid + 1, me.gid, 77), 77,
+                             str(tmp_path)).startswith("process 77 now runs as")
+    assert pc.target_refusal(pc.PeerCred(me.uid, me.gid, 78), 78,
+                             str(tmp_path)) == "process 78 is gone"
+
+
+def test_each_message_keeps_the_identity_of_the_connection_it_came_on(tmp_path):
+    """900 messages from a child that then exits, then one from this process, through
+    the real gate: every one is attributed to the process that opened its connection
+    (before: identity was looked up by fd number, which the next connection may hold)."""
+    with tempfile.TemporaryDirectory(prefix="fx-") as directory:
+        context = zmq.Context()
+        server = context.socket(zmq.ROUTER)
+        server.bind(f"ipc://{directory}/s")
+        code = textwrap.dedent(f"""
+            import os, zmq
+            c = zmq.Context(); s = c.socket(zmq.DEALER)
+            s.connect("ipc://{directory}/s")
+            for _ in range(900):
+                s.send_multipart([b"", b"release"])
+            s.close(linger=5000); c.term(); print(os.getpid())
+        """)
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=60, check=True)
+        mine = context.socket(zmq.REQ)
+        mine.connect(f"ipc://{directory}/s")
+        mine.send(b"mine")
+        gate, seen = Gate(None, Counters()), []
+        try:
+            while len(seen) < 901 and server.poll(5000):
+                verdict = gate.admit(server.recv_multipart(copy=False), False, local=True)
+                assert isinstance(verdict, Admitted)
+                seen.append((verdict.data, verdict.peer.pid))
+        finally:
+            mine.close(0)
+            server.close(0)
+            context.term()
+    child_pid = int(child.stdout)
+    assert seen.count((b"release", child_pid)) == 900
+    assert seen.count((b"mine", os.getpid())) == 1
+
+
+def _pull(p):
+    sheet = p.workers[0].sheet
+    blocks = ((1,),) * len(sheet.layout.block_sizes)
+    return hs.PullRequest("t-1", msgspec.structs.replace(sheet, incarnation="x"), blocks)
 
 
 def test_a_pull_naming_another_process_is_refused():
-    """The same-host transport writes into the pid the pull's sheet names: it must be the
-    process on the other end of the connection (the kernel says which holds it)."""
+    """The same-host transport writes into the pid the pull's sheet names: only the
+    process that connected (a child handed its fd names itself, and is refused too)."""
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense")
     try:
-        sheet = p.workers[0].sheet
-        blocks = ((1,),) * len(sheet.layout.block_sizes)
-        pull = hs.PullRequest("t-1", msgspec.structs.replace(sheet, incarnation="x"), blocks)
         other = 1 if os.getpid() != 1 else 2
         p.workers[0].transport.peer_pid = lambda desc: other
-        answer = client.ask(zmq.Context.instance(), "127.0.0.1", port, pull, 5.0)
+        answer = client.ask(zmq.Context.instance(), "127.0.0.1", port, _pull(p), 5.0)
         assert isinstance(answer, hs.PullReply) and not answer.ok
         assert f"names pid {other}" in answer.error
         p.workers[0].transport.peer_pid = lambda desc: os.getpid()
         with pytest.raises(TimeoutError):  # its own pid: accepted, parked for "t-1"
-            client.ask(zmq.Context.instance(), "127.0.0.1", port, pull, 0.5)
+            client.ask(zmq.Context.instance(), "127.0.0.1", port, _pull(p), 0.5)
         assert p.workers[0].stats["refused_peers"] == 1
     finally:
         p.shutdown()
 
 
-def test_another_uid_gets_nothing_without_a_secret():
+def test_a_same_host_pull_over_tcp_is_refused_whatever_its_address(tmp_path):
+    """With a secret the side channel also listens on TCP (other hosts); a pull for the
+    same-host transport arriving there is refused even naming its own pid (before: a
+    peer on a non-loopback address skipped the check and prefill wrote where it said)."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", secret_file=str(secret))
+    key = p.workers[0].settings.key
+    try:
+        p.workers[0].transport.peer_pid = lambda desc: os.getpid()
+        path = endpoints.socket_path(port)
+        hidden = f"{path}.hidden"  # this client cannot see the socket: it must use TCP
+        os.rename(path, hidden)
+        try:
+            assert endpoints.address("127.0.0.1", port).startswith("tcp://")
+            answer = client.ask(zmq.Context(), "127.0.0.1", port, _pull(p), 5.0, key=key)
+        finally:
+            os.rename(hidden, path)
+        assert isinstance(answer, hs.PullReply) and not answer.ok
+        assert "came over TCP" in answer.error
+        with pytest.raises(TimeoutError):  # over the Unix socket: accepted, parked
+            client.ask(zmq.Context(), "127.0.0.1", port, _pull(p), 0.5, key=key)
+    finally:
+        p.shutdown()
+
+
+def _root_only() -> None:
     if os.getuid() != 0:
-        pytest.skip("switching to another uid needs root; the check itself is tested above")
+        pytest.skip("switching to another uid needs root; the checks are tested above")
+
+
+def test_another_uid_cannot_even_connect_without_a_secret():
+    """No TCP port, and the socket's directory is 0700: nothing of theirs is buffered."""
+    _root_only()
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense")
+    path = endpoints.socket_path(port)
     code = textwrap.dedent(f"""
-        import os, socket, zmq
-        from vllm_flagcx.wire import client, handshake as hs
-        os.setgid(65534); os.setuid(65534)  # after the imports: nobody cannot read them
-        for message in (hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0), hs.Release("t"),
-                        hs.Heartbeat(("t",))):
-            answer = client.ask(zmq.Context.instance(), "127.0.0.1", {port}, message, 5.0)
-            print(type(answer).__name__, getattr(answer, "reason", ""))
+        import os, socket
+        os.setgid({NOBODY}); os.setuid({NOBODY})
+        for family, where in ((socket.AF_UNIX, {path!r}), (socket.AF_INET,
+                                                            ("127.0.0.1", {port}))):
+            s = socket.socket(family)
+            try:
+                s.connect(where); print("connected")
+            except OSError as exc:
+                print(type(exc).__name__)
     """)
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                 sys.path)})
-        lines = out.stdout.strip().splitlines()
-        assert len(lines) == 3, out.stderr[-2000:]
-        assert all(line.startswith("HandshakeRefused") and "uid 65534" in line
-                   for line in lines), lines
-        assert p.workers[0].stats["refused_peers"] == 3
+        out = _as_nobody(code)
+        assert out.stdout.split() == ["PermissionError", "ConnectionRefusedError"], out
         assert isinstance(client.ask(zmq.Context.instance(), "127.0.0.1", port,
                                      hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0), 5.0),
                           hs.HandshakeReply)  # this uid still is served
@@ -122,52 +202,56 @@ def test_another_uid_gets_nothing_without_a_secret():
         p.shutdown()
 
 
-def test_netlink_and_the_proc_table_name_the_same_owner():
-    """The fast path (sock_diag) must agree with the table it replaces, and a request is
-    read back as the kernel's header says (``linux/inet_diag.h``)."""
-    from vllm_flagcx.connector import sock_diag
-
-    server, peer, conn = _loopback_pair()
+def test_a_process_whose_credentials_changed_after_connecting_is_not_written_into():
+    """A child connects as root, then becomes uid 65534 (as an exec of a set-user-ID
+    program changes them the other way) and pulls naming itself: refused by the kernel's
+    record against ``/proc``, at admission and again at write time."""
+    _root_only()
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    pull = hs.encode(_pull(p))
+    code = textwrap.dedent(f"""
+        import os, zmq
+        from vllm_flagcx.wire import endpoints, handshake as hs
+        c = zmq.Context(); s = c.socket(zmq.REQ)
+        s.connect(endpoints.address("127.0.0.1", {port}))
+        s.send(hs.encode(hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0))); s.recv()
+        os.setgid({NOBODY}); os.setuid({NOBODY})
+        print(os.getpid(), flush=True)
+        input()
+        s.send({pull!r})
+        print(hs.decode(s.recv()).error, flush=True)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
-        remote, local = pc.connection_of(conn.fileno())
-        fast = sock_diag.tcp_socket_owner(remote, local)
-        if fast is None:
-            pytest.skip("NETLINK_SOCK_DIAG is not available here")
-        slow = pc.loopback_owner(remote, local, proc=pc.PROC + "/self/..")
-        assert slow is not None and (fast.uid, fast.inode) == (slow.uid, slow.inode)
-        assert fast.inode == os.fstat(peer.fileno()).st_ino
-        assert sock_diag.tcp_socket_owner(remote, ("127.0.0.1", 1)) is None
+        child_pid = int(child.stdout.readline())
+        p.workers[0].transport.peer_pid = lambda desc: child_pid
+        out, err = child.communicate("\n", timeout=30)
+        assert f"process {child_pid} now runs as uids" in out, (out, err[-2000:])
     finally:
-        for s in (peer, conn, server):
-            s.close()
-    message = sock_diag.request_bytes(("127.0.0.1", 0x1234), ("127.0.0.1", 0x5678))
-    assert len(message) == 16 + 8 + 48
-    assert message[16] == socket.AF_INET and message[17] == socket.IPPROTO_TCP
-    assert message[24:28] == bytes.fromhex("12345678")
-    assert sock_diag.parse_reply(b"\x00" * 8) is None
-    with pytest.raises(ValueError):
-        sock_diag.request_bytes(("127.0.0.1", 1), ("::1", 2))
+        child.kill()
+        p.shutdown()
 
 
-def test_a_process_found_holding_the_socket_is_not_searched_again_for_a_while(
-        tmp_path, monkeypatch):
-    """The fd scan runs once per (pid, socket) for ``HELD_SECONDS``; a refusal is never
-    kept (a pid that did not hold the socket is searched again), and the verdict ends."""
-    (tmp_path / "77" / "fd").mkdir(parents=True)
-    link = tmp_path / "77" / "fd" / "5"
-    check = pc.PeerCheck(authenticated=True, proc=str(tmp_path))
-    scans = []
-    real = pc.holds_socket
-    monkeypatch.setattr(pc, "holds_socket",
-                        lambda pid, inode, proc: scans.append(pid) or real(pid, inode, proc))
-    assert not check._holds(77, 987654)  # not held yet: refused, and not remembered
-    os.symlink("socket:[987654]", link)
-    assert check._holds(77, 987654)
-    assert len(scans) == 2
-    link.unlink()  # within the time the verdict is kept, no scan
-    assert check._holds(77, 987654) and len(scans) == 2
-    assert not check._holds(77, 987655)  # another socket is searched
-    now = pc.time.monotonic()
-    monkeypatch.setattr(pc.time, "monotonic", lambda: now + pc.HELD_SECONDS + 1)
-    assert not check._holds(77, 987654)  # the verdict ended: searched, and gone
-    assert len(scans) == 4
+def test_the_socket_directory_must_be_this_users_alone(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    with pytest.raises(endpoints.SocketDirError, match="FLAGCX_SIDE_CHANNEL_SOCKET_DIR"):
+        endpoints.ensure_private_dir(str(loose))
+    made = endpoints.ensure_private_dir(str(tmp_path / "new"))
+    assert os.stat(made).st_mode & 0o777 == 0o700
+    with pytest.raises(endpoints.SocketDirError, match="longer than 107"):
+        endpoints.socket_path(1, "/" + "d" * 120)
+    assert endpoints.local_socket("127.0.0.1", 1, str(loose)) is None
+    assert endpoints.is_this_host("127.0.0.1")
+    assert not endpoints.is_this_host("192.0.2.1") and not endpoints.is_this_host("x y")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(os.path.join(made, "side-7.sock"))
+    try:
+        assert endpoints.address("127.0.0.1", 7, made) == f"ipc://{made}/side-7.sock"
+        assert endpoints.address("192.0.2.1", 7, made) == "tcp://192.0.2.1:7"
+    finally:
+        sock.close()

@@ -5,7 +5,9 @@ pull. Real prefill workers over loopback; a recording relay stands where a sniff
 
 from __future__ import annotations
 
+import os
 import select
+import selectors
 import socket
 import threading
 import time
@@ -14,7 +16,7 @@ import pytest
 import zmq
 from testkit import pd_harness as pd
 
-from vllm_flagcx.wire import auth, client, curve
+from vllm_flagcx.wire import auth, client, curve, endpoints
 from vllm_flagcx.wire import handshake as hs
 
 SECRET = "correct horse battery staple 42"
@@ -61,7 +63,7 @@ def test_without_the_secret_the_handshake_reveals_nothing(secret_file):
         stranger_public, stranger_secret = zmq.curve_keypair()
         sock.curve_serverkey = curve.server_keypair(key)[0]
         sock.curve_publickey, sock.curve_secretkey = stranger_public, stranger_secret
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.connect(endpoints.address("127.0.0.1", port))
         sock.send(b"anything")
         assert not sock.poll(1000)
         sock.close()
@@ -90,6 +92,82 @@ def test_the_routers_credential_may_release_but_never_pull(secret_file):
         p.shutdown()
 
 
+def test_the_printed_router_credential_cannot_pull_pin_or_pose_as_decode(
+        secret_file, capsys, monkeypatch):
+    """The router is given ``--print-credential``'s output, not the secret: under it a
+    pull and a heartbeat are refused, also when it claims the decode role (before: the
+    router's file was the whole secret, from which decode's keys derive)."""
+    from vllm_flagcx.router import cli
+
+    assert cli.main(["--print-credential", "--side-channel-secret-file", secret_file]) == 0
+    text = capsys.readouterr().out.strip()
+    credential = auth.RouterCredential.parse(text)
+    assert credential is not None and secret_file not in text
+    key = auth.load_key(secret_file)
+    assert credential.mac != key and key.hex() not in text
+    assert curve.client_keypair(key, "decode")[1] not in text.encode()
+    cred_file = os.path.join(os.path.dirname(secret_file), "router.cred")
+    with open(cred_file, "w") as f:
+        f.write(text)
+    os.chmod(cred_file, 0o600)
+    assert curve.load_router_credential(cred_file) == credential
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", secret_file=secret_file)
+    try:
+        sheet = p.workers[0].sheet
+        assert isinstance(_ask(port, hs.Release("t-1"), key=credential, role="router"),
+                          hs.Ack)
+        for role in ("router", "decode"):
+            for message in (hs.PullRequest("t-1", sheet, ((1,),)), hs.Heartbeat(("t-1",))):
+                answer = _ask(port, message, key=credential, role=role)
+                assert isinstance(answer, hs.HandshakeRefused), (role, answer)
+                assert "router credential" in answer.reason
+        assert p.workers[0].stats["lease_renewals"] == 0
+    finally:
+        p.shutdown()
+
+
+def test_connections_that_never_finish_their_handshake_are_closed(secret_file):
+    """2,000 idle TCP connections to a prefill with a secret (a stranger cannot complete
+    CURVE): each is closed after ``HANDSHAKE_SECONDS``; an authenticated one still
+    answers (before: every idle connection stayed open for good)."""
+    import resource
+
+    from vllm_flagcx.connector import side_channel_server as server
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2000 * 2 + 512  # both ends live in this process
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"needs {want} file descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", secret_file=secret_file)
+    idle = []
+    try:
+        for _ in range(2000):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        deadline = time.monotonic() + server.HANDSHAKE_SECONDS + 20
+        watch = selectors.DefaultSelector()  # epoll: select() stops at fd 1024
+        for sock in idle:
+            watch.register(sock, selectors.EVENT_READ)
+        still_open = len(idle)
+        while still_open and time.monotonic() < deadline:
+            for ready, _ in watch.select(0.5):
+                if ready.fileobj.recv(4096) == b"":  # the server closed it
+                    watch.unregister(ready.fileobj)
+                    still_open -= 1
+        watch.close()
+        assert not still_open, f"{still_open} of 2000 idle connections still open"
+        key = p.workers[0].settings.key
+        assert isinstance(_ask(port, hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0), key=key),
+                          hs.HandshakeReply)
+    finally:
+        for sock in idle:
+            sock.close()
+        p.shutdown()
+
+
 class _Tap:
     """A loopback relay that records every byte between a client and the side channel
     (what a sniffer on the path would see). Test-only; bounded by its timeout."""
@@ -108,7 +186,13 @@ class _Tap:
             client_side, _ = self.server.accept()
         except OSError:
             return
-        upstream = socket.create_connection(("127.0.0.1", target_port), timeout=timeout)
+        path = endpoints.local_socket("127.0.0.1", target_port)
+        if path is not None:  # the relay stands where TCP would be: bytes go to the socket
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.settimeout(timeout)
+            upstream.connect(path)
+        else:
+            upstream = socket.create_connection(("127.0.0.1", target_port), timeout=timeout)
         ends = {client_side: upstream, upstream: client_side}
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -159,7 +243,7 @@ def test_a_captured_sealed_frame_replayed_without_the_session_is_not_delivered(
     sock.setsockopt(zmq.LINGER, 0)
     try:
         key = p.workers[0].settings.key
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.connect(endpoints.address("127.0.0.1", port))
         sock.send(auth.seal(key, hs.encode(hs.Heartbeat(("t-1",)))))
         assert not sock.poll(1000)  # never delivered, never answered
         assert p.workers[0].stats["lease_renewals"] == 0

@@ -14,7 +14,7 @@ from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector import worker as wk
 from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
-from vllm_flagcx.wire import client
+from vllm_flagcx.wire import client, endpoints
 from vllm_flagcx.wire import handshake as hs
 
 
@@ -34,7 +34,7 @@ def test_malformed_frames_and_bytes_never_end_the_server():
         assert _handshake_answers(port)
         dealer = zmq.Context.instance().socket(zmq.DEALER)  # no REQ envelope: 1 frame
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.connect(endpoints.address("127.0.0.1", port))
         dealer.send(b"x")
         dealer.send_multipart([b"a", b"b", b"c", b"d"])
         time.sleep(0.3)
@@ -91,7 +91,7 @@ def _park_bare_pulls(port: int, sheet, ids) -> list:
     for tid in ids:
         sock = context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.connect(endpoints.address("127.0.0.1", port))
         sock.send(hs.encode(hs.PullRequest(tid, sheet, ((1,),) * groups)))
         waiting.append(sock)
     time.sleep(0.3)

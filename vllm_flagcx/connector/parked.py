@@ -22,6 +22,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+from vllm_flagcx.connector.peer_credentials import PeerCred
 from vllm_flagcx.wire import handshake as hs
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet
@@ -37,6 +38,7 @@ class ParkedPull:
     deadline: float
     size: int
     armed: bool  # its transfer was armed when it parked (waits for a writer)
+    peer: PeerCred | None = None  # the kernel's record of a Unix-socket sender
 
     @property
     def key(self) -> tuple[str, str, int]:

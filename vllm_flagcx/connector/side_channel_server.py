@@ -32,7 +32,7 @@ from vllm_flagcx.connector.counters import Counters
 from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
 from vllm_flagcx.connector.in_flight import InFlight
 from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
-from vllm_flagcx.connector.peer_credentials import Owner
+from vllm_flagcx.connector.peer_credentials import PeerCred, target_refusal
 from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.registration import Registration
 from vllm_flagcx.connector.sends import Claim, Send, Sends
@@ -40,13 +40,21 @@ from vllm_flagcx.connector.side_channel_gate import Gate, Refused
 from vllm_flagcx.connector.side_channel_writes import SideChannelWrites
 from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.transport.base import Transport
-from vllm_flagcx.wire import auth, curve
+from vllm_flagcx.wire import auth, curve, endpoints
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.metrics import Stat
 
 logger = logging.getLogger("vllm_flagcx")
 
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
+# A connection that has not finished the ZMTP (and, with a secret, CURVE) handshake within
+# this time is closed: a stranger's idle connections cost a file descriptor each, briefly.
+HANDSHAKE_SECONDS = 5.0
+# How an answer finds its way back: every ident this server hands around starts with the
+# socket it came in on (Unix or TCP) and the sender's role, so a reply posted later by a
+# writer thread goes out on the right socket, sealed with the key that sender checks.
+_UNIX, _TCP = b"U", b"T"
+_ROLE_TAGS = {"decode": b"d", "router": b"r"}
 
 
 class Pending(enum.Enum):
@@ -103,6 +111,7 @@ class SideChannelServer:
         self._draining = False  # shutting down: no new write is claimed
         self._thread: threading.Thread | None = None
         self._zmq: Any = None  # zmq.Context (imported lazily: the connector imports cheap)
+        self._socks: dict[bytes, Any] = {}  # _UNIX / _TCP -> the ROUTER socket
         self._zap: curve.ZapHandler | None = None
 
     @property
@@ -120,25 +129,33 @@ class SideChannelServer:
         return self._settings.side_channel_port + self._settings.tp_rank
 
     def start(self) -> None:
-        """Listen on ``side_channel_port + tp_rank``; RuntimeError naming the setting when
-        the port cannot be bound."""
+        """Listen on this rank's Unix socket (``endpoints``) and, with a secret, on TCP
+        ``side_channel_port + tp_rank``; RuntimeError naming the setting when either
+        cannot be bound. Without a secret there is no TCP port: another user can neither
+        connect nor make prefill buffer a byte (the socket's directory is 0700)."""
         import zmq
 
         settings = self._settings
         auth.require_secret_off_loopback(settings.bind_host, settings.key)
+        path = endpoints.socket_path(self.port, endpoints.ensure_private_dir())
+        if endpoints.in_use(path):
+            raise RuntimeError(
+                f"kv_connector_extra_config.side_channel_port: {path} (port {self.port}, "
+                f"base + TP rank {settings.tp_rank}) is served by another process; give "
+                "each prefill instance its own side_channel_port")
         with unpinned():  # the context's I/O thread starts with the first socket
             self._zmq = zmq.Context()
-            sock = self._zmq.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if settings.key is not None and curve.available():
             # strangers are refused in the connection's handshake: no byte is buffered
             self._zap = curve.ZapHandler(self._zmq, settings.key)
-            curve.configure_server(sock, settings.key)
         try:
-            sock.bind(f"tcp://{settings.bind_host}:{self.port}")
+            self._socks[_UNIX] = self._listen(f"ipc://{path}")
+            if settings.key is not None:
+                self._socks[_TCP] = self._listen(f"tcp://{settings.bind_host}:{self.port}")
         except zmq.ZMQError as exc:
-            sock.close()
+            for sock in self._socks.values():
+                sock.close()
+            self._socks.clear()
             if self._zap is not None:  # else the context's term() waits on it forever
                 self._zap.close()
                 self._zap = None
@@ -150,9 +167,26 @@ class SideChannelServer:
         self._writer = ThreadPoolExecutor(
             max_workers=max(1, int(self._transport.max_concurrent_writes)),
             thread_name_prefix=f"flagcx-write-{self.port}", initializer=unpin_this_thread)
-        self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+        self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"flagcx-side-channel-{self.port}")
         self._thread.start()
+
+    def _listen(self, address: str) -> Any:
+        import zmq
+
+        with unpinned():
+            sock = self._zmq.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_SECONDS * 1000))
+        if self._zap is not None and self._settings.key is not None:
+            curve.configure_server(sock, self._settings.key)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError:
+            sock.close()
+            raise
+        return sock
 
     def shutdown(self) -> None:
         """Stop serving, never closing the port before the writes in flight ended: decode
@@ -181,12 +215,13 @@ class SideChannelServer:
             self._zmq.term()
             self._zmq = None
 
-    def _serve(self, sock: Any) -> None:
+    def _serve(self) -> None:
         import zmq
 
         unpin_this_thread()
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        for sock in self._socks.values():
+            poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         if self._zap is not None:
             poller.register(self._zap.sock, zmq.POLLIN)
@@ -195,20 +230,28 @@ class SideChannelServer:
                 events = dict(poller.poll(20))
                 if self._zap is not None and events.get(self._zap.sock):
                     self._zap.handle()
-                if events.get(sock):
-                    self._serve_one(sock)
+                for tag, sock in self._socks.items():
+                    if events.get(sock):
+                        self._serve_one(tag, sock)
                 if events.get(self._wake_r):
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
                 for ident, reply in self._serve_parked():
-                    sock.send_multipart([ident, b"", self._seal(reply)])
+                    self._send(ident, reply)
                 while self._outbox:
-                    ident, reply = self._outbox.popleft()
-                    sock.send_multipart([ident, b"", self._seal(reply)])
+                    self._send(*self._outbox.popleft())
         finally:
-            sock.close()
+            for sock in self._socks.values():
+                sock.close()
             if self._zap is not None:
                 self._zap.close()
+
+    def _send(self, ident: bytes, reply: hs.Message, sealed: bool = True) -> None:
+        """Answer on the socket ``ident`` came in on, sealed with its sender's key."""
+        key = self._gate.seal_key("router" if ident[1:2] == b"r" else "decode")
+        payload = hs.encode(reply)
+        self._socks[ident[:1]].send_multipart(
+            [ident[2:], b"", auth.seal(key, payload) if sealed else payload])
 
     def _post(self, ident: bytes, reply: hs.Message) -> None:
         """Queue an answer for the server thread (the only one that touches the socket)."""
@@ -216,29 +259,28 @@ class SideChannelServer:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"w")
 
-    def _serve_one(self, sock: Any) -> None:
+    def _serve_one(self, tag: bytes, sock: Any) -> None:
         """One message from the side channel; nothing a peer sends may end the server
         thread (a malformed frame list or any error is answered or dropped, and counted)."""
-        verdict = self._gate.admit(sock.recv_multipart(copy=False), self._zap is not None)
+        verdict = self._gate.admit(sock.recv_multipart(copy=False), self._zap is not None,
+                                   local=tag == _UNIX)
         if verdict is None:
             return
         if isinstance(verdict, Refused):
-            sock.send_multipart([verdict.ident, b"", hs.encode(verdict.reply)])
+            self._send(tag + b"d" + verdict.ident, verdict.reply, sealed=False)
             return
+        ident = tag + _ROLE_TAGS.get(verdict.role, b"r") + verdict.ident
         try:
-            reply = self._handle(verdict.ident, verdict.data, verdict.peer, verdict.role)
+            reply = self._handle(ident, verdict.data, verdict.peer, verdict.role)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
             self._counters.add(Stat.MALFORMED_MESSAGES)
             logger.warning("FlagCX side channel: message refused: %s: %s",
                            type(exc).__name__, exc)
             reply = hs.HandshakeRefused(f"refused: {type(exc).__name__}")
         if reply is not None:
-            sock.send_multipart([verdict.ident, b"", self._seal(reply)])
+            self._send(ident, reply)
 
-    def _seal(self, message: hs.Message) -> bytes:
-        return auth.seal(self._settings.key, hs.encode(message))
-
-    def _handle(self, ident: bytes, data: bytes, peer: Owner | None = None,
+    def _handle(self, ident: bytes, data: bytes, peer: PeerCred | None = None,
                 role: str = "decode") -> hs.Message | None:
         try:
             message = hs.decode(data)
@@ -269,28 +311,36 @@ class SideChannelServer:
             problem = pull_problem(message, len(self._settings.layout.block_sizes))
             if problem:
                 return hs.PullReply(message.transfer_id, False, problem)
-            pid = self._transport.peer_pid(message.sheet.transport_desc)
-            refused = self._gate.pull_refusal(peer, pid) if pid is not None else None
+            refused = self._target_refusal(message, peer)
             if refused is not None:
                 return hs.PullReply(message.transfer_id, False, refused)
-            return self._claim_or_park(ident, message, len(data))
+            return self._claim_or_park(ident, message, len(data), peer)
         return hs.HandshakeRefused(f"unexpected message {type(message).__name__}")
 
-    def _claim_or_park(self, ident: bytes, pull: hs.PullRequest, size: int
-                       ) -> hs.Message | None:
+    def _target_refusal(self, pull: hs.PullRequest, peer: PeerCred | None) -> str | None:
+        """Why a same-host pull may not write into the process it names (see
+        ``peer_credentials``), or None; pulls of other transports name no process."""
+        pid = self._transport.peer_pid(pull.sheet.transport_desc)
+        refused = target_refusal(peer, pid) if pid is not None else None
+        if refused is not None:
+            self._counters.add(Stat.REFUSED_PEERS)
+        return refused
+
+    def _claim_or_park(self, ident: bytes, pull: hs.PullRequest, size: int,
+                       peer: PeerCred | None = None) -> hs.Message | None:
         """Claim first (``parked`` says why): a pull for an armed transfer is written or
         answered now; only one that must wait is parked, within the parking caps."""
         now = time.monotonic()
         # a pull is decode's word that it has the request: the full lease from here on
         self._sends.renew([pull.transfer_id], now + self._settings.lease_seconds)
-        answer = self._try_claim(ident, pull, now)
+        answer = self._try_claim(ident, pull, now, peer)
         if answer is Pending.WRITING:
             return None
         if not isinstance(answer, Pending):
             return answer
         armed = self._sends.is_armed(pull.transfer_id)
         refusal, replaced = self.parked.park(ParkedPull(
-            ident, pull, now + self._settings.lease_seconds, size, armed))
+            ident, pull, now + self._settings.lease_seconds, size, armed, peer))
         if refusal is not None:
             self._counters.add(Stat.PULLS_REFUSED_PARKING_FULL)
             return hs.PullReply(pull.transfer_id, False, refusal)
@@ -298,8 +348,8 @@ class SideChannelServer:
             self._post(replaced, _superseded(pull))
         return None
 
-    def _try_claim(self, ident: bytes, pull: hs.PullRequest, now: float
-                   ) -> hs.Message | Pending:
+    def _try_claim(self, ident: bytes, pull: hs.PullRequest, now: float,
+                   peer: PeerCred | None) -> hs.Message | Pending:
         """The answer to ``pull`` now, ``WRITING`` (a write was started and answers
         later), or ``WAIT`` when it must keep waiting."""
         if self._draining:
@@ -309,7 +359,7 @@ class SideChannelServer:
             assert self._writer is not None and isinstance(what, Send)
             self._in_flight.begin()
             try:
-                self._writer.submit(self._write_then_end, ident, what, pull, now)
+                self._writer.submit(self._write_then_end, ident, what, pull, now, peer)
             except BaseException:
                 self._in_flight.end()
                 raise
@@ -321,9 +371,10 @@ class SideChannelServer:
         return Pending.WAIT
 
     def _write_then_end(self, ident: bytes, send: Send, pull: hs.PullRequest,
-                        claimed_at: float) -> None:
+                        claimed_at: float, peer: PeerCred | None) -> None:
         try:
-            self._writes.run(ident, send, pull, claimed_at)
+            self._writes.run(ident, send, pull, claimed_at,
+                             lambda: self._target_refusal(pull, peer))
         finally:
             self._in_flight.end()
 
@@ -331,7 +382,7 @@ class SideChannelServer:
         now = time.monotonic()
         out, keep = [], []
         for entry in self.parked.take_all():
-            answer = self._try_claim(entry.ident, entry.pull, now)
+            answer = self._try_claim(entry.ident, entry.pull, now, entry.peer)
             if answer is Pending.WAIT and not entry.armed and now > entry.deadline:
                 answer = hs.PullReply(entry.pull.transfer_id, False,
                                       "unknown or expired transfer id")

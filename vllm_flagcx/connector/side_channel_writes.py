@@ -48,9 +48,12 @@ class SideChannelWrites:
         self._connections: dict[str, object] = {}  # receiver incarnation -> transport handle
         self._connect_lock = threading.Lock()
 
-    def run(self, ident: bytes, send: Send, pull: hs.PullRequest, claimed_at: float) -> None:
+    def run(self, ident: bytes, send: Send, pull: hs.PullRequest, claimed_at: float,
+            target_refusal: Callable[[], str | None] = lambda: None) -> None:
         """One claimed write, finished exactly once whatever happens (``Sends.finish``), and
         only then answered: the Releases it held back are acknowledged after it.
+        ``target_refusal``: asked again right before the bytes move (the process the pull
+        names may have exec'd another program since it was admitted).
 
         A write that waited behind busy writers does not start once decode released the
         transfer, nor later than ``write_start_timeout`` after its claim: decode may have
@@ -66,6 +69,8 @@ class SideChannelWrites:
                 reply = hs.PullReply(pull.transfer_id, False, (
                     f"this write waited {waited:.1f} s for a writer (more than "
                     f"write_start_timeout={limit:g} s): not written"))
+            elif (refused := target_refusal()) is not None:
+                reply = hs.PullReply(pull.transfer_id, False, refused)
             else:
                 reply = self.write(send, pull, waited)
         except Exception as exc:  # the last guard: the claim is still finished below

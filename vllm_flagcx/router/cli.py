@@ -33,9 +33,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-timeout", type=float, default=600.0,
                    help="longest silence inside the decode answer, seconds")
     p.add_argument("--side-channel-secret-file", default=None,
-                   help="file holding the side-channel secret the prefill and decode "
-                        "instances use (default: the environment variable "
-                        "FLAGCX_SIDE_CHANNEL_SECRET, else none)")
+                   help="file holding the router's credential (`--print-credential`), "
+                        "or the side-channel secret itself (default: the environment "
+                        "variable FLAGCX_SIDE_CHANNEL_SECRET, else none)")
+    p.add_argument("--print-credential", action="store_true",
+                   help="print the router's credential derived from the secret and exit: "
+                        "it may release transfers, never pull KV or renew a lease")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-timelines", action="store_true",
                    help="log one flagcx-timeline line per request at INFO (else DEBUG): "
@@ -61,10 +64,10 @@ def build(args: argparse.Namespace) -> FastAPI:
     decode = Pool("decode", [parse_instance(s, "decode") for s in args.decode])
     if any(i.side_channel_port is not None for i in decode.instances):
         raise RouterConfigError("--decode takes only a URL")
-    from vllm_flagcx.wire import auth
+    from vllm_flagcx.wire import auth, curve
 
     try:
-        key = auth.load_key(args.side_channel_secret_file)
+        key = curve.load_router_credential(args.side_channel_secret_file)
     except auth.AuthError as exc:
         raise RouterConfigError(str(exc).replace(
             f"kv_connector_extra_config.{auth.SECRET_FILE_KEY}", "--side-channel-secret-file")
@@ -78,8 +81,25 @@ def build(args: argparse.Namespace) -> FastAPI:
     return build_app(Proxy(prefill, decode, settings))
 
 
+def print_credential(secret_file: str | None) -> int:
+    from vllm_flagcx.wire import auth, curve
+
+    try:
+        found = auth.read_secret(secret_file)
+        if found is None:
+            print(f"vllm-flagcx router --print-credential: no secret; {auth.HOW_TO_SET}")
+            return 2
+        print(curve.router_credential(auth.key_of(*found)).text())
+    except auth.AuthError as exc:
+        print(f"vllm-flagcx router: {exc}")
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.print_credential:
+        return print_credential(args.side_channel_secret_file)
     try:
         app = build(args)
     except RouterConfigError as exc:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from vllm_flagcx.router.pool import Instance, RouterConfigError
+from vllm_flagcx.wire import auth
 from vllm_flagcx.wire import params as params_schema
 
 # Sampling fields that could end the prefill leg early (before its one token is length
@@ -46,7 +47,7 @@ class RouterSettings:
     prefill_timeout: float = 600.0  # whole prefill leg
     decode_timeout: float = 600.0  # between two bytes of the decode answer
     release_timeout: float = 2.0
-    key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
+    key: auth.Key = field(default=None, repr=False)  # the router's credential (auth)
     log_timelines: bool = False  # one wire.timeline line per request at INFO (else DEBUG)
     # sequential /v1/completions: decode gets the prompt as prefill's token ids, not text
     prompt_token_ids: bool = True

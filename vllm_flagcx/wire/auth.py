@@ -25,6 +25,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from vllm_flagcx.wire.handshake import HandshakeError
 
@@ -48,11 +49,69 @@ class AuthError(HandshakeError):
     """A side-channel frame failed authentication, or the secret is unusable."""
 
 
+ROUTER_CREDENTIAL_TAG = "flagcx-router-credential-v1"
+
+
+class RouterCredential(NamedTuple):
+    """What the router holds instead of the secret: a MAC key derived one way from the
+    secret's (``router_mac``: no decode or server key can be derived from it, so it
+    cannot pull, renew a lease or pose as prefill) and prefill's public CURVE key (the
+    router checks who answers). Prefill derives the same MAC key and lets its holder
+    handshake and release only."""
+
+    mac: bytes
+    server_public: bytes
+
+    def text(self) -> str:
+        return f"{ROUTER_CREDENTIAL_TAG} {self.mac.hex()} {self.server_public.decode()}"
+
+    @classmethod
+    def parse(cls, text: str) -> RouterCredential | None:
+        """The credential ``text`` holds, or None when it is not one (a plain secret)."""
+        fields = text.split()
+        if len(fields) != 3 or fields[0] != ROUTER_CREDENTIAL_TAG:
+            return None
+        try:
+            mac = bytes.fromhex(fields[1])
+        except ValueError:
+            return None
+        if len(mac) != 32 or len(fields[2]) != 40:
+            return None
+        return cls(mac, fields[2].encode())
+
+
+Key = bytes | RouterCredential | None  # the full MAC key, the router's, or none
+
+
+def router_mac(key: bytes) -> bytes:
+    """The router's MAC key: one way from the full one."""
+    return hashlib.sha256(b"vllm-flagcx router\0" + key).digest()
+
+
+def mac_of(key: Key) -> bytes | None:
+    return key.mac if isinstance(key, RouterCredential) else key
+
+
 def load_key(secret_file: str | None = None, environ: Mapping[str, str] | None = None
              ) -> bytes | None:
     """The MAC key: from ``secret_file`` if given, else the environment variable; None
     when neither is set. A secret shorter than ``MIN_SECRET_CHARS`` or an unreadable file
     is refused (AuthError naming where it came from, never the value)."""
+    found = read_secret(secret_file, environ)
+    return None if found is None else key_of(*found)
+
+
+def key_of(source: str, secret: str) -> bytes:
+    if len(secret) < MIN_SECRET_CHARS:
+        raise AuthError(f"{source}: the secret has {len(secret)} characters; use at least "
+                        f"{MIN_SECRET_CHARS} (e.g. `python -c 'import secrets; "
+                        "print(secrets.token_urlsafe(32))'`)")
+    return hashlib.sha256(b"vllm-flagcx side channel\0" + secret.encode()).digest()
+
+
+def read_secret(secret_file: str | None = None, environ: Mapping[str, str] | None = None
+                ) -> tuple[str, str] | None:
+    """(where it came from, the text) of the secret file or variable; None if unset."""
     environ = os.environ if environ is None else environ
     if secret_file:
         source = f"kv_connector_extra_config.{SECRET_FILE_KEY}={secret_file!r}"
@@ -82,27 +141,25 @@ def load_key(secret_file: str | None = None, environ: Mapping[str, str] | None =
                 SECRET_ENV)
         if not secret:
             return None
-    if len(secret) < MIN_SECRET_CHARS:
-        raise AuthError(f"{source}: the secret has {len(secret)} characters; use at least "
-                        f"{MIN_SECRET_CHARS} (e.g. `python -c 'import secrets; "
-                        "print(secrets.token_urlsafe(32))'`)")
-    return hashlib.sha256(b"vllm-flagcx side channel\0" + secret.encode()).digest()
+    return source, secret
 
 
-def seal(key: bytes | None, payload: bytes) -> bytes:
+def seal(key: Key, payload: bytes) -> bytes:
     """The frame to send: ``payload`` tagged under ``key`` (unchanged without a key)."""
+    key = mac_of(key)
     if key is None:
         return payload
     return MAGIC + hmac.new(key, payload, hashlib.sha256).digest() + payload
 
 
-def unseal(key: bytes | None, frame: bytes) -> bytes:
+def unseal(key: Key, frame: bytes) -> bytes:
     """The payload of a received frame whose tag verifies under ``key``.
 
     AuthError says which side lacks or differs in the secret; the payload of a frame that
     fails is never looked at.
     """
     sealed = frame.startswith(MAGIC)
+    key = mac_of(key)
     if key is None:
         if sealed:
             raise AuthError("the peer authenticates its side-channel messages but this "

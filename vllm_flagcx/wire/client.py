@@ -8,12 +8,11 @@ finished but before decode started (else the blocks wait for the lease to expire
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from typing import Any
 
-from vllm_flagcx.wire import auth, curve
+from vllm_flagcx.wire import auth, curve, endpoints
 from vllm_flagcx.wire import handshake as hs
 
 HANDSHAKE_EVENTS = (1 << 11) | (1 << 13) | (1 << 14)  # zmq.EVENT_HANDSHAKE_FAILED_*
@@ -30,20 +29,11 @@ class PeerGoneError(ConnectionError):
     """
 
 
-def listening(host: str, port: int, timeout: float = 0.5) -> bool | None:
-    """True: something accepts connections on ``host:port``; False: refused (nothing
-    listens); None: no verdict within ``timeout`` (unreachable, filtered)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except ConnectionRefusedError:
-        return False
-    except OSError:
-        return None
+listening = endpoints.listening
 
 
 def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
-        probe_every: float | None = None, key: bytes | None = None,
+        probe_every: float | None = None, key: auth.Key = None,
         role: str = "decode") -> hs.Message:
     """Send ``message`` to ``host:port`` over a new connection and return the answer;
     TimeoutError after ``timeout`` seconds without one. A caller that talks to the same
@@ -53,15 +43,25 @@ def ask(context: Any, host: str, port: int, message: hs.Message, timeout: float,
     connections, and raise PeerGoneError as soon as it refuses (ZMQ itself reconnects to
     a dead peer silently, forever). ``key``: the side-channel secret's MAC key
     (``auth.load_key``); an answer that fails authentication raises ``auth.AuthError``.
-    With a key the connection is CURVE-encrypted as ``role`` (``curve``), and a
+    With a key the connection is CURVE-encrypted as ``role`` (``curve``; the router holds
+    an ``auth.RouterCredential``, not the key), and a
     handshake the peer refuses raises ``auth.AuthError`` saying which side's secret is
     missing or differs, instead of waiting out the timeout.
     """
+    key = _key_for(key, role)
     conn = _Connection.open(context, host, port, timeout, key, role)
     try:
         return conn.exchange(message, timeout, probe_every, key)
     finally:
         conn.close()
+
+
+def _key_for(key: auth.Key, role: str) -> auth.Key:
+    """A router given the full key still speaks with the router's credential: prefill
+    answers a router under that one."""
+    if role == "router" and isinstance(key, bytes):
+        return curve.router_credential(key)
+    return key
 
 
 class _Connection:
@@ -73,7 +73,9 @@ class _Connection:
 
     @classmethod
     def open(cls, context: Any, host: str, port: int, timeout: float,
-             key: bytes | None, role: str) -> _Connection:
+             key: auth.Key, role: str) -> _Connection:
+        """A connection to the side channel at ``host:port``: its Unix socket where it is
+        on this host and this user's directory holds one (``endpoints``), else TCP."""
         import zmq
 
         sock = context.socket(zmq.REQ)
@@ -83,14 +85,14 @@ class _Connection:
             curve.configure_client(sock, key, role)
         conn = cls(sock, sock.get_monitor_socket(HANDSHAKE_EVENTS), host, port)
         try:
-            sock.connect(f"tcp://{host}:{port}")
+            sock.connect(endpoints.address(host, port))
         except zmq.ZMQError as exc:  # a malformed host: an OSError every caller handles
             conn.close()
             raise ConnectionError(f"cannot connect to {host!r}:{port}: {exc}") from None
         return conn
 
     def exchange(self, message: hs.Message, timeout: float, probe_every: float | None,
-                 key: bytes | None) -> hs.Message:
+                 key: auth.Key) -> hs.Message:
         import zmq
 
         host, port, sock = self.host, self.port, self.sock
@@ -145,14 +147,15 @@ class Channels:
         self._context = context
         self._max_idle = max_idle
         self._lock = threading.Lock()
-        self._idle: dict[tuple[str, int, bytes | None, str], list[_Connection]] = {}
+        self._idle: dict[tuple[str, int, auth.Key, str], list[_Connection]] = {}
         self._closed = False
         self.opened = 0  # connections opened so far (tests, benchmarks)
 
     def ask(self, host: str, port: int, message: hs.Message, timeout: float,
-            probe_every: float | None = None, key: bytes | None = None,
+            probe_every: float | None = None, key: auth.Key = None,
             role: str = "decode") -> hs.Message:
         """``client.ask`` over a kept connection (same arguments and errors)."""
+        key = _key_for(key, role)
         peer = (host, port, key, role)
         with self._lock:
             if self._closed:
@@ -172,7 +175,7 @@ class Channels:
         finally:
             self._give_back(peer, conn, answered)
 
-    def _give_back(self, peer: tuple[str, int, bytes | None, str], conn: _Connection,
+    def _give_back(self, peer: tuple[str, int, auth.Key, str], conn: _Connection,
                    reusable: bool) -> None:
         with self._lock:
             idle = self._idle.setdefault(peer, [])
@@ -217,7 +220,7 @@ def _raise_on_handshake_failure(monitor: Any, with_key: bool, host: str, port: i
         raise auth.AuthError(f"{host}:{port}: {why}")
 
 
-def _open_answer(key: bytes | None, frame: bytes) -> hs.Message:
+def _open_answer(key: auth.Key, frame: bytes) -> hs.Message:
     """The answer if it authenticates. A peer that refused us for want of the right
     secret answers with a bare refusal: its reason is added to the error, never trusted."""
     try:
@@ -233,7 +236,7 @@ def _open_answer(key: bytes | None, frame: bytes) -> hs.Message:
 
 
 def release_transfer(host: str, port: int, tp_size: int, transfer_id: str,
-                     timeout: float = 2.0, key: bytes | None = None,
+                     timeout: float = 2.0, key: auth.Key = None,
                      role: str = "router") -> list[str]:
     """Send ``Release(transfer_id)`` to prefill ranks ``port .. port+tp_size-1``; returns
     the errors (empty when every rank acknowledged)."""

@@ -9,12 +9,15 @@ the connection's own handshake, before libzmq accepts one message byte, and give
 connection fresh session keys: nothing to buffer for strangers, nothing to replay from
 another connection, nothing readable on the wire.
 
-Keys: the server's key pair and one client key pair per role are derived from the MAC key
-(itself derived from the secret), so operators still set one secret. The server admits
-only the derived client keys (a ZAP handler on its own context) and tags each message
-with the client's role: ``decode`` (may do everything) or ``router`` (may handshake and
-release, never pull or renew leases): least privilege for the process that only frees
-what a vanished client left behind.
+Keys: the server's and decode's key pairs are derived from the MAC key (itself derived
+from the secret), so operators still set one secret. The router's key pair is derived
+from ``auth.router_mac``, one way from the MAC key, and the router is given only that and
+the server's public key (``auth.RouterCredential``, printed by ``vllm-flagcx router
+--print-credential``): nothing that holds it can derive decode's or the server's keys.
+The server admits only the derived client keys (a ZAP handler on its own context) and
+tags each message with the client's role: ``decode`` (may do everything) or ``router``
+(may handshake and release, never pull or renew leases): least privilege for the
+process that only frees what a vanished client left behind.
 
 Where libzmq lacks CURVE (``zmq.has("curve")`` False: a vendor build without
 libsodium), the channel falls back to the tag alone and says so once; a peer that
@@ -67,14 +70,40 @@ def server_keypair(key: bytes) -> tuple[bytes, bytes]:
 
 
 def client_keypair(key: bytes, role: str) -> tuple[bytes, bytes]:
+    """The key pair of ``role`` from the full MAC key (the router's via ``router_mac``)."""
     if role not in ROLES:
         raise ValueError(f"side-channel role {role!r}: use one of {', '.join(ROLES)}")
-    return _keypair(key, role)
+    return _keypair(auth.router_mac(key) if role == "router" else key, role)
 
 
-def configure_client(sock: Any, key: bytes, role: str) -> None:
-    public, secret = client_keypair(key, role)
-    sock.curve_serverkey = server_keypair(key)[0]
+def router_credential(key: bytes) -> auth.RouterCredential:
+    """What the router is given: its MAC key and the server's public key, never ``key``."""
+    return auth.RouterCredential(auth.router_mac(key), server_keypair(key)[0])
+
+
+def load_router_credential(secret_file: str | None = None) -> auth.RouterCredential | None:
+    """The router's credential from ``secret_file`` (or the secret variable): a printed
+    credential as is; a full secret is reduced to the credential, with a warning that the
+    file grants more than the router needs."""
+    found = auth.read_secret(secret_file)
+    if found is None:
+        return None
+    credential = auth.RouterCredential.parse(found[1])
+    if credential is not None:
+        return credential
+    logger.warning("vllm-flagcx router: %s holds the full side-channel secret, which lets "
+                   "its reader pull KV; give the router `vllm-flagcx router "
+                   "--print-credential` instead", found[0])
+    return router_credential(auth.key_of(*found))
+
+
+def configure_client(sock: Any, key: bytes | auth.RouterCredential, role: str) -> None:
+    if isinstance(key, auth.RouterCredential):
+        public, secret = _keypair(key.mac, "router")
+        sock.curve_serverkey = key.server_public
+    else:
+        public, secret = client_keypair(key, role)
+        sock.curve_serverkey = server_keypair(key)[0]
     sock.curve_publickey = public
     sock.curve_secretkey = secret
 

@@ -143,8 +143,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("handshakes_served", "vllm:flagcx_handshakes_served", Kind.COUNTER,
            "Fact sheets prefill sent to decode workers", "prefill"),
     Family("refused_peers", "vllm:flagcx_refused_peers", Kind.COUNTER,
-           "Side-channel messages refused by who sent them (another user or host without "
-           "the secret, or a same-host pull from a process that does not own its socket)",
+           "Side-channel messages refused by who sent them (another user without the "
+           "secret, or a same-host pull over TCP or naming a process other than the one "
+           "that connected, as it ran then)",
            "prefill"),
     Family("refused_roles", "vllm:flagcx_refused_roles", Kind.COUNTER,
            "Side-channel messages a router credential may not send", "prefill"),
