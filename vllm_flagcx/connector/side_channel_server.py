@@ -1,18 +1,20 @@
 """Prefill's side-channel server: handshakes, pulls, releases, heartbeats, and the writes.
 
-One thread owns the ZMQ socket (``_serve``); writes run on writer threads (``_write_job``)
-and their replies come back through an outbox. The transfers' lifecycle and its safety
+One thread owns the ZMQ sockets (``_serve``; where they listen: ``side_channel_sockets``);
+writes run on writer threads (``_write_job``) and their replies come back through an
+outbox. The transfers' lifecycle and its safety
 invariant (a Release is acknowledged only once no write into its blocks is in flight) are
 ``sends.Sends``: this server claims a write before it runs and finishes it exactly once
 after (``_write_job``), and posts the Releases that waited only then. Every pull is checked
 before bytes move: its fields (``pull_problem``), the receiver's regions pinned per
 incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
-(``bounds.check_within``), and the transfer's first puller (``Sends.claim``).
+(``bounds.check_within``), the transfer's first puller (``Sends.claim``), and for the
+same-host transport the process it names (``peer_credentials``: the one that connected,
+as it ran then; asked again right before the write).
 
 Who may talk at all (envelope, local peer, MAC, CURVE role) is decided first, by
-``side_channel_gate.Gate``. It owns its socket, thread, wake pipe, outbox, parked pulls and
-writer pool; the
-transfers (``Sends``) and the counters are shared with the worker that built it, and what
+``side_channel_gate.Gate``. It owns its sockets, thread, wake pipe, outbox, parked pulls
+and writer pool; the transfers (``Sends``) and the counters are shared with the worker that built it, and what
 was registered comes as one frozen ``Registration``.
 """
 
@@ -29,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.host_cpus import unpin_this_thread, unpinned
+from vllm_flagcx.connector.host_cpus import unpin_this_thread
 from vllm_flagcx.connector.in_flight import InFlight
 from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
 from vllm_flagcx.connector.peer_credentials import PeerCred, target_refusal
@@ -37,25 +39,15 @@ from vllm_flagcx.connector.receivers import pull_problem
 from vllm_flagcx.connector.registration import Registration
 from vllm_flagcx.connector.sends import Claim, Send, Sends
 from vllm_flagcx.connector.side_channel_gate import Gate, Refused
+from vllm_flagcx.connector.side_channel_sockets import UNIX, Listeners, route
 from vllm_flagcx.connector.side_channel_writes import SideChannelWrites
 from vllm_flagcx.connector.worker_settings import WorkerSettings
 from vllm_flagcx.transport.base import Transport
-from vllm_flagcx.wire import auth, curve, endpoints
+from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.metrics import Stat
 
 logger = logging.getLogger("vllm_flagcx")
-
-MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection
-# A connection that has not finished the ZMTP (and, with a secret, CURVE) handshake within
-# this time is closed: a stranger's idle connections cost a file descriptor each, briefly.
-HANDSHAKE_SECONDS = 5.0
-# How an answer finds its way back: every ident this server hands around starts with the
-# socket it came in on (Unix or TCP) and the sender's role, so a reply posted later by a
-# writer thread goes out on the right socket, sealed with the key that sender checks.
-_UNIX, _TCP = b"U", b"T"
-_ROLE_TAGS = {"decode": b"d", "router": b"r"}
-
 
 class Pending(enum.Enum):
     """A claimed pull with no answer yet: its write runs (``WRITING``) or it must keep
@@ -63,21 +55,6 @@ class Pending(enum.Enum):
 
     WRITING = "writing"
     WAIT = "wait"
-
-
-def bind_error(host: str, port: int, rank: int, exc: Exception) -> RuntimeError:
-    """What to do when the side channel cannot listen, naming the setting."""
-    import errno
-
-    if getattr(exc, "errno", None) == errno.EADDRINUSE:
-        return RuntimeError(
-            f"kv_connector_extra_config.side_channel_port: port {port} (base + TP rank "
-            f"{rank}) on {host} is in use; give each prefill instance its own "
-            "side_channel_port, its ranks use base .. base + TP size - 1")
-    return RuntimeError(
-        f"kv_connector_extra_config.side_channel_bind / side_channel_host={host!r}: the side "
-        f"channel cannot listen there ({exc}); use an IP address of this machine's "
-        "interfaces (or 0.0.0.0 with a secret), not a host name")
 
 
 def _superseded(pull: hs.PullRequest | None) -> hs.PullReply:
@@ -110,9 +87,7 @@ class SideChannelServer:
         self._stop = threading.Event()
         self._draining = False  # shutting down: no new write is claimed
         self._thread: threading.Thread | None = None
-        self._zmq: Any = None  # zmq.Context (imported lazily: the connector imports cheap)
-        self._socks: dict[bytes, Any] = {}  # _UNIX / _TCP -> the ROUTER socket
-        self._zap: curve.ZapHandler | None = None
+        self._listeners = Listeners(settings, self.port)
 
     @property
     def alive(self) -> bool:
@@ -122,45 +97,18 @@ class SideChannelServer:
     @property
     def curve_refusals(self) -> int:
         """Connections the CURVE handshake refused (an underived key): none reached us."""
-        return self._zap.refused if self._zap is not None else 0
+        zap = self._listeners.zap
+        return zap.refused if zap is not None else 0
 
     @property
     def port(self) -> int:
         return self._settings.side_channel_port + self._settings.tp_rank
 
     def start(self) -> None:
-        """Listen on this rank's Unix socket (``endpoints``) and, with a secret, on TCP
-        ``side_channel_port + tp_rank``; RuntimeError naming the setting when either
-        cannot be bound. Without a secret there is no TCP port: another user can neither
-        connect nor make prefill buffer a byte (the socket's directory is 0700)."""
-        import zmq
-
-        settings = self._settings
-        auth.require_secret_off_loopback(settings.bind_host, settings.key)
-        path = endpoints.socket_path(self.port, endpoints.ensure_private_dir())
-        if endpoints.in_use(path):
-            raise RuntimeError(
-                f"kv_connector_extra_config.side_channel_port: {path} (port {self.port}, "
-                f"base + TP rank {settings.tp_rank}) is served by another process; give "
-                "each prefill instance its own side_channel_port")
-        with unpinned():  # the context's I/O thread starts with the first socket
-            self._zmq = zmq.Context()
-        if settings.key is not None and curve.available():
-            # strangers are refused in the connection's handshake: no byte is buffered
-            self._zap = curve.ZapHandler(self._zmq, settings.key)
-        try:
-            self._socks[_UNIX] = self._listen(f"ipc://{path}")
-            if settings.key is not None:
-                self._socks[_TCP] = self._listen(f"tcp://{settings.bind_host}:{self.port}")
-        except zmq.ZMQError as exc:
-            for sock in self._socks.values():
-                sock.close()
-            self._socks.clear()
-            if self._zap is not None:  # else the context's term() waits on it forever
-                self._zap.close()
-                self._zap = None
-            raise bind_error(settings.bind_host, self.port, settings.tp_rank,
-                             exc) from None
+        """Listen (``side_channel_sockets``: the rank's Unix socket, and TCP
+        ``side_channel_port + tp_rank`` with a secret) and serve; RuntimeError naming the
+        setting when it cannot."""
+        self._listeners.open()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -170,23 +118,6 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"flagcx-side-channel-{self.port}")
         self._thread.start()
-
-    def _listen(self, address: str) -> Any:
-        import zmq
-
-        with unpinned():
-            sock = self._zmq.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_SECONDS * 1000))
-        if self._zap is not None and self._settings.key is not None:
-            curve.configure_server(sock, self._settings.key)
-        try:
-            sock.bind(address)
-        except zmq.ZMQError:
-            sock.close()
-            raise
-        return sock
 
     def shutdown(self) -> None:
         """Stop serving, never closing the port before the writes in flight ended: decode
@@ -211,26 +142,22 @@ class SideChannelServer:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._wake_r = self._wake_w = -1
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
+        self._listeners.term()
 
     def _serve(self) -> None:
         import zmq
 
         unpin_this_thread()
+        listeners = self._listeners
         poller = zmq.Poller()
-        for sock in self._socks.values():
-            poller.register(sock, zmq.POLLIN)
+        listeners.register(poller)
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._zap is not None:
-            poller.register(self._zap.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(20))
-                if self._zap is not None and events.get(self._zap.sock):
-                    self._zap.handle()
-                for tag, sock in self._socks.items():
+                if listeners.zap is not None and events.get(listeners.zap.sock):
+                    listeners.zap.handle()
+                for tag, sock in listeners.socks.items():
                     if events.get(sock):
                         self._serve_one(tag, sock)
                 if events.get(self._wake_r):
@@ -241,17 +168,13 @@ class SideChannelServer:
                 while self._outbox:
                     self._send(*self._outbox.popleft())
         finally:
-            for sock in self._socks.values():
-                sock.close()
-            if self._zap is not None:
-                self._zap.close()
+            listeners.close_sockets()
 
     def _send(self, ident: bytes, reply: hs.Message, sealed: bool = True) -> None:
         """Answer on the socket ``ident`` came in on, sealed with its sender's key."""
         key = self._gate.seal_key("router" if ident[1:2] == b"r" else "decode")
         payload = hs.encode(reply)
-        self._socks[ident[:1]].send_multipart(
-            [ident[2:], b"", auth.seal(key, payload) if sealed else payload])
+        self._listeners.send(ident, auth.seal(key, payload) if sealed else payload)
 
     def _post(self, ident: bytes, reply: hs.Message) -> None:
         """Queue an answer for the server thread (the only one that touches the socket)."""
@@ -262,14 +185,14 @@ class SideChannelServer:
     def _serve_one(self, tag: bytes, sock: Any) -> None:
         """One message from the side channel; nothing a peer sends may end the server
         thread (a malformed frame list or any error is answered or dropped, and counted)."""
-        verdict = self._gate.admit(sock.recv_multipart(copy=False), self._zap is not None,
-                                   local=tag == _UNIX)
+        verdict = self._gate.admit(sock.recv_multipart(copy=False),
+                                   self._listeners.curve_on, local=tag == UNIX)
         if verdict is None:
             return
         if isinstance(verdict, Refused):
-            self._send(tag + b"d" + verdict.ident, verdict.reply, sealed=False)
+            self._send(route(tag, "decode", verdict.ident), verdict.reply, sealed=False)
             return
-        ident = tag + _ROLE_TAGS.get(verdict.role, b"r") + verdict.ident
+        ident = route(tag, verdict.role, verdict.ident)
         try:
             reply = self._handle(ident, verdict.data, verdict.peer, verdict.role)
         except Exception as exc:  # a bug or a hostile message: answer, keep serving
