@@ -12,6 +12,7 @@ from vllm_flagcx.compat import cpu_kernels as ck
 from vllm_flagcx.connector.worker_setup import start_line
 from vllm_flagcx.demo import run as demo_run
 from vllm_flagcx.demo import servers as sv
+from vllm_flagcx.wire import endpoints
 
 AVX2_ONLY = frozenset({"fpu", "avx", "avx2", "fma"})
 BF16 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
@@ -113,10 +114,14 @@ def test_the_worker_start_line_names_transport_address_and_kernel_library(monkey
     line = start_line(role="prefill", tp_rank=1, transport="local",
                       advertised_host="10.0.0.5", bind_host="0.0.0.0", port=5601,
                       host_memory=True, secret=True)
-    assert "transport local" in line and "side channel 0.0.0.0:5601" in line
-    assert "advertised as 10.0.0.5:5601" in line and "HMAC secret set" in line
+    assert "transport local" in line and "side channel on TCP 0.0.0.0:5601" in line
+    assert "advertised as 10.0.0.5:5601" in line and "secret set" in line
+    assert line.split(" and ", 1)[1].startswith(endpoints.socket_path(5601))
+    alone = start_line(role="prefill", tp_rank=0, transport="local", advertised_host="h",
+                       bind_host="127.0.0.1", port=5600, host_memory=False, secret=False)
+    assert "TCP" not in alone.split("no secret")[0] and "no secret: no TCP port" in alone
     assert "CPU kernel library _C_AVX512 (class avx512; hidden from vLLM: amx, avx512_bf16)" \
         in line
     decode = start_line(role="decode", tp_rank=0, transport="flagcx", advertised_host="x",
                         bind_host="x", port=1, host_memory=False, secret=False)
-    assert "CPU kernel" not in decode and "no secret: loopback only" in decode
+    assert "CPU kernel" not in decode and "no secret: no TCP port" in decode

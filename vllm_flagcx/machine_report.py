@@ -73,10 +73,14 @@ def side_channel_report() -> dict[str, Any]:
     defaults = ConnectorSettings.from_extra(None)
     secret = bool(os.environ.get("FLAGCX_SIDE_CHANNEL_SECRET")
                   or os.environ.get("VLLM_FLAGCX_SIDE_CHANNEL_SECRET"))
+    from vllm_flagcx.wire import endpoints
+
     return {"host": defaults.side_channel_host, "bind": defaults.bind_host,
             "port": defaults.side_channel_port, "secret_in_env": secret,
-            "note": ("defaults: prefill TP rank r listens on port + r (+ DP rank x TP "
-                     "size); across hosts set kv_connector_extra_config.side_channel_host "
+            "socket_dir": endpoints.socket_dir(),
+            "note": ("defaults: prefill TP rank r listens on the Unix socket side-<port + "
+                     "r>.sock in socket_dir (+ DP rank x TP size; TCP port + r only with a "
+                     "secret); across hosts set kv_connector_extra_config.side_channel_host "
                      "to an address decode can reach, side_channel_bind if it differs, and "
                      "a secret (FLAGCX_SIDE_CHANNEL_SECRET or side_channel_secret_file)")}
 

@@ -14,8 +14,8 @@ as it ran then; asked again right before the write).
 
 Who may talk at all (envelope, local peer, MAC, CURVE role) is decided first, by
 ``side_channel_gate.Gate``. It owns its sockets, thread, wake pipe, outbox, parked pulls
-and writer pool; the transfers (``Sends``) and the counters are shared with the worker that built it, and what
-was registered comes as one frozen ``Registration``.
+and writer pool; the transfers (``Sends``) and the counters are shared with the worker
+that built it, and what was registered comes as one frozen ``Registration``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ the right socket, sealed with the key that sender checks (``Gate.seal_key``).
 from __future__ import annotations
 
 import errno
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import zmq
 
 from vllm_flagcx.connector.host_cpus import unpinned
 from vllm_flagcx.connector.worker_settings import WorkerSettings
@@ -52,8 +55,8 @@ class Listeners:
     def __init__(self, settings: WorkerSettings, port: int) -> None:
         self._settings = settings
         self.port = port
-        self.context: Any = None  # zmq.Context (imported lazily: the connector imports cheap)
-        self.socks: dict[bytes, Any] = {}  # UNIX / TCP -> the ROUTER socket
+        self.context: zmq.Context | None = None  # zmq is imported lazily: imports stay cheap
+        self.socks: dict[bytes, zmq.Socket] = {}  # UNIX / TCP -> the ROUTER socket
         self.zap: curve.ZapHandler | None = None
 
     @property
@@ -88,9 +91,10 @@ class Listeners:
             raise bind_error(settings.bind_host, self.port, settings.tp_rank,
                              exc) from None
 
-    def _listen(self, address: str) -> Any:
+    def _listen(self, address: str) -> zmq.Socket:
         import zmq
 
+        assert self.context is not None, "open() makes the context first"
         with unpinned():
             sock = self.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -105,7 +109,7 @@ class Listeners:
             raise
         return sock
 
-    def register(self, poller: Any) -> None:
+    def register(self, poller: zmq.Poller) -> None:
         import zmq
 
         for sock in self.socks.values():

@@ -116,13 +116,16 @@ def start_line(*, role: str, tp_rank: int, transport: str, advertised_host: str,
     start). On host memory it names the vLLM CPU kernel library this process loaded
     (``compat.cpu_kernels``): a peer on another library may store other bytes."""
     from vllm_flagcx.compat import cpu_kernels
+    from vllm_flagcx.wire import endpoints
 
-    where = (f"side channel {bind_host}:{port} (advertised as {advertised_host}:{port})"
-             if role == "prefill" else "pulls from the prefill side channels it is given")
-    auth = ("HMAC secret set: peers of any user and host that hold it; a same-host pull "
-            "must come from the process it names" if secret else
-            f"no secret: loopback only, and only processes of uid {os.getuid()} (the "
-            "kernel's socket table says who connects)")
+    tcp = f"TCP {bind_host}:{port} (advertised as {advertised_host}:{port}) and " if secret \
+        else ""
+    where = (f"side channel on {tcp}{endpoints.socket_path(port)}" if role == "prefill"
+             else "pulls from the prefill side channels it is given")
+    auth = ("secret set: peers of any user and host that hold it (CURVE); a same-host "
+            "pull must come over the Unix socket from the process it names" if secret else
+            f"no secret: no TCP port, only processes of uid {os.getuid()} (the socket's "
+            "directory is 0700)")
     line = (f"FlagCXConnector {role} worker rank {tp_rank}: transport {transport}, {where}, "
             f"{auth}")
     if host_memory:
