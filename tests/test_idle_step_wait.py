@@ -135,8 +135,9 @@ def test_shutdown_keeps_the_port_open_until_the_write_in_flight_ended():
     connections (decode reads a refused port as "no write in flight" and frees its
     blocks) until the write ended; the old shutdown closed it first and the write landed
     in blocks vLLM had already reused."""
-    import socket
     import threading
+
+    from vllm_flagcx.wire import endpoints
 
     p, d = _pair(p_wait=0.0, d_wait=0.0, p_faults=Faults(delay_seconds=1.5))
     try:
@@ -151,8 +152,7 @@ def test_shutdown_keeps_the_port_open_until_the_write_in_flight_ended():
         stopper.start()
         time.sleep(0.5)  # shutdown has begun; the write has ~1 s left
         assert p.workers[0].in_flight.running == 1
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            pass  # still listening while the write is in flight
+        assert endpoints.listening("127.0.0.1", port)  # still listening: write in flight
         stopper.join(10)
         assert not stopper.is_alive()
         assert p.workers[0].in_flight.running == 0  # it returned after the write ended
