@@ -25,7 +25,7 @@ import torch
 from benchmarks import report
 from vllm_flagcx.compat import kv_views
 from vllm_flagcx.compat.kv_cache import SpecKind
-from vllm_flagcx.connector import integrity
+from vllm_flagcx.connector.common import integrity
 
 LAYERS, GDN_LAYERS, HEADS, HEAD_DIM, BLOCK = 10, 30, 2, 256, 16
 SECTIONS = (("q", 2048, 2048), ("k", 2048, 2048), ("v", 4096, 4096))

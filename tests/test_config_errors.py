@@ -11,8 +11,8 @@ import pytest
 import zmq
 from testkit import pd_harness as pd
 
-from vllm_flagcx.connector.settings import ConnectorSettings
-from vllm_flagcx.connector.transport_choice import make_transport
+from vllm_flagcx.connector.common.settings import ConnectorSettings
+from vllm_flagcx.connector.common.transport_choice import make_transport
 from vllm_flagcx.connector.worker import WorkerHalf
 from vllm_flagcx.wire import auth, client
 from vllm_flagcx.wire import handshake as hs

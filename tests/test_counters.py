@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from vllm_flagcx.connector.counters import Counters, delta
+from vllm_flagcx.connector.common.counters import Counters, delta
 from vllm_flagcx.wire.metrics import Stat
 
 

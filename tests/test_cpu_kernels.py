@@ -9,7 +9,7 @@ import pytest
 
 from vllm_flagcx import machine_report
 from vllm_flagcx.compat import cpu_kernels as ck
-from vllm_flagcx.connector.worker_setup import start_line
+from vllm_flagcx.connector.common.worker_setup import start_line
 from vllm_flagcx.demo import run as demo_run
 from vllm_flagcx.demo import servers as sv
 from vllm_flagcx.wire import endpoints

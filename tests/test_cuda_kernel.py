@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from vllm_flagcx.connector import integrity
+from vllm_flagcx.connector.common import integrity
 from vllm_flagcx.transport import cuda_kernel
 
 

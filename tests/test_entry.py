@@ -7,9 +7,13 @@ import sys
 import pytest
 from testkit import vllm_harness as harness
 
+from vllm_flagcx.connector.common.settings import ConnectorSettings, SettingsError
+from vllm_flagcx.connector.common.transport_choice import (
+    chosen_transport,
+    load_factory,
+    make_transport,
+)
 from vllm_flagcx.connector.entry import FlagCXConnector, FlagCXWorkerMetadata
-from vllm_flagcx.connector.settings import ConnectorSettings, SettingsError
-from vllm_flagcx.connector.transport_choice import chosen_transport, load_factory, make_transport
 
 
 def test_transport_factory_errors_name_the_key():
@@ -78,7 +82,7 @@ def test_make_transport_calls_the_named_factory_with_config_and_rank(monkeypatch
 
 
 def test_cpu_binding_warning_names_the_setting_only_when_auto_pinned():
-    from vllm_flagcx.connector.host_cpus import cpu_binding_warning
+    from vllm_flagcx.connector.common.host_cpus import cpu_binding_warning
 
     hint = cpu_binding_warning({0}, {0, 1}, None, host_memory=True)
     assert hint and "VLLM_CPU_OMP_THREADS_BIND" in hint and "[0]" in hint

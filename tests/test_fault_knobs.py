@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from testkit import pd_harness as pd
 
-from vllm_flagcx.connector import fault_knobs
+from vllm_flagcx.connector.decode import fault_knobs
 from vllm_flagcx.layout.regions import Region
 
 

@@ -185,8 +185,8 @@ def test_write_failure_is_reported(libs, decode_process, monkeypatch):
 
 
 def test_auto_picks_flagcx_only_when_the_library_loads(libs, monkeypatch):
-    from vllm_flagcx.connector.settings import ConnectorSettings
-    from vllm_flagcx.connector.transport_choice import chosen_transport
+    from vllm_flagcx.connector.common.settings import ConnectorSettings
+    from vllm_flagcx.connector.common.transport_choice import chosen_transport
 
     def chosen(values):
         return chosen_transport(ConnectorSettings.from_extra(values))
@@ -207,8 +207,8 @@ def test_the_library_is_loaded_once_and_every_spelling_of_off_reaches_the_transp
     used to be loaded and checked twice); ``flagcx_rdma_check`` spelled any way the
     settings accept as off is off for the transport too (it used to re-read the raw value,
     where only "false" meant off, so auto chose flagcx and the transport then refused)."""
-    from vllm_flagcx.connector.settings import ConnectorSettings
-    from vllm_flagcx.connector.transport_choice import chosen_transport, make_transport
+    from vllm_flagcx.connector.common.settings import ConnectorSettings
+    from vllm_flagcx.connector.common.transport_choice import chosen_transport, make_transport
 
     loads = []
     real_init = fx.FlagCXLibrary.__init__

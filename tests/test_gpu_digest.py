@@ -40,7 +40,7 @@ def test_the_digest_kernel_equals_the_torch_digest_on_the_device():
     the torch path's digests; a flipped bit in one block changes its layer's."""
     from vllm_flagcx.compat import kv_views
     from vllm_flagcx.compat.kv_cache import SpecKind
-    from vllm_flagcx.connector import integrity
+    from vllm_flagcx.connector.common import integrity
 
     cache = torch.randn((2, 9, 16, 4, 128), device="cuda").to(torch.bfloat16)
     k, v = kv_views.layer_parts(cache, SpecKind.FULL_ATTENTION, "2BNHD")

@@ -204,7 +204,7 @@ def test_memcpy_path_when_the_kernel_is_switched_off(decode_gpu, monkeypatch):
 def test_integrity_checksum_reads_device_memory():
     import zlib
 
-    from vllm_flagcx.connector import integrity
+    from vllm_flagcx.connector.common import integrity
 
     data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
     read = integrity.reader(host_memory=False)

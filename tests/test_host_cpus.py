@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vllm_flagcx.connector.host_cpus import allowed_cpus, cpu_binding_warning, parse_cpu_list
+from vllm_flagcx.connector.common.host_cpus import allowed_cpus, cpu_binding_warning, parse_cpu_list
 
 
 def test_parse_cpu_list_reads_the_kernel_syntax():
@@ -53,7 +53,7 @@ def test_registration_logs_the_hint_for_a_worker_pinned_to_a_shared_core(monkeyp
     """The wiring the worker's setup runs at registration: pinned to 1 of 4 allowed CPUs
     under vLLM's automatic binding, a CPU worker logs the hint; GPU memory, or an explicit
     binding, logs nothing."""
-    from vllm_flagcx.connector import host_cpus, worker_setup
+    from vllm_flagcx.connector.common import host_cpus, worker_setup
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     monkeypatch.setattr(host_cpus, "allowed_cpus", lambda *a: {0, 1, 2, 3})

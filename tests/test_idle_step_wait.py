@@ -13,8 +13,8 @@ from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 from testkit.transport_standin import Faults
 
-from vllm_flagcx.connector.in_flight import InFlight
-from vllm_flagcx.connector.settings import ConnectorSettings, SettingsError
+from vllm_flagcx.connector.common.in_flight import InFlight
+from vllm_flagcx.connector.common.settings import ConnectorSettings, SettingsError
 
 
 def test_nothing_in_flight_returns_at_once():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_flagcx.connector.loads import LoadPhase, Loads, LoadStateError
+from vllm_flagcx.connector.decode.loads import LoadPhase, Loads, LoadStateError
 from vllm_flagcx.wire.params import RemotePrefill, TransferId
 
 REMOTE = RemotePrefill(TransferId("t1"), "127.0.0.1", 5600, 1, "prefill-0", (16,))

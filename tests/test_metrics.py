@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_flagcx.connector.observations import Observations
+from vllm_flagcx.connector.common.observations import Observations
 from vllm_flagcx.wire import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,7 +130,7 @@ def test_the_readme_documents_every_family_and_its_nixl_twin():
 def test_every_counted_stat_is_an_exported_family_and_gauges_report_levels():
     """A worker can count only what Prometheus shows (``Stat`` names a family), and a
     level set twice reports the level, not the difference."""
-    from vllm_flagcx.connector.counters import Counters
+    from vllm_flagcx.connector.common.counters import Counters
 
     families = {f.key: f for f in metrics.FAMILIES}
     assert {s.value for s in metrics.Stat} <= set(families)

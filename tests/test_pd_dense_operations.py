@@ -186,7 +186,7 @@ def test_integrity_check_can_be_turned_off():
 
 
 def test_integrity_sample_spreads_over_descriptor_tails():
-    from vllm_flagcx.connector import integrity
+    from vllm_flagcx.connector.common import integrity
 
     buf = np.arange(4096, dtype=np.uint8)
     base = buf.ctypes.data

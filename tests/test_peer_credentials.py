@@ -24,9 +24,9 @@ import pytest
 import zmq
 from testkit import pd_harness as pd
 
-from vllm_flagcx.connector import peer_credentials as pc
-from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.side_channel_gate import Admitted, Gate
+from vllm_flagcx.connector.common.counters import Counters
+from vllm_flagcx.connector.prefill import peer_credentials as pc
+from vllm_flagcx.connector.prefill.gate import Admitted, Gate
 from vllm_flagcx.wire import client, endpoints
 from vllm_flagcx.wire import handshake as hs
 

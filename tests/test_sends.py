@@ -4,8 +4,8 @@ the transfer's blocks is in flight (decode reuses the blocks once acknowledged).
 
 from __future__ import annotations
 
-from vllm_flagcx.connector import sends as S
-from vllm_flagcx.connector.metadata import SendTask
+from vllm_flagcx.connector.common.metadata import SendTask
+from vllm_flagcx.connector.prefill import sends as S
 
 
 def _armed(transfer_id="t1", request_id="r1", deadline=100.0, **kw):

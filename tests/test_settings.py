@@ -8,7 +8,11 @@ import logging
 import pytest
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.connector.settings import ConnectorSettings, SettingsError, checked_extra_config
+from vllm_flagcx.connector.common.settings import (
+    ConnectorSettings,
+    SettingsError,
+    checked_extra_config,
+)
 
 
 @pytest.mark.parametrize("key, value, allowed", [
@@ -66,7 +70,7 @@ def test_the_connector_refuses_at_startup_on_the_real_scheduler():
 def test_settings_object_holds_every_checked_key_once_with_its_default():
     import dataclasses
 
-    from vllm_flagcx.connector.settings import KEYS, ConnectorSettings
+    from vllm_flagcx.connector.common.settings import KEYS, ConnectorSettings
 
     fields = {f.name for f in dataclasses.fields(ConnectorSettings)} - {"raw"}
     assert fields == set(KEYS)  # a key added to one is added to the other
@@ -83,8 +87,8 @@ def test_the_halves_take_every_user_default_from_connector_settings():
     scheduler's settings start from the same values, so a changed default reaches both."""
     import dataclasses
 
+    from vllm_flagcx.connector.common.worker_settings import WorkerSettings
     from vllm_flagcx.connector.scheduler import SchedulerSettings
-    from vllm_flagcx.connector.worker_settings import WorkerSettings
 
     user = ConnectorSettings()
     renamed = {"recv_timeout": user.pull_timeout, "bind_host": user.bind_host,
@@ -107,8 +111,8 @@ def test_the_halves_take_every_user_default_from_connector_settings():
 
 
 def test_every_transport_name_but_auto_is_one_built_in_transport():
-    from vllm_flagcx.connector.settings import TRANSPORT_NAMES
-    from vllm_flagcx.connector.transport_choice import BUILT_IN
+    from vllm_flagcx.connector.common.settings import TRANSPORT_NAMES
+    from vllm_flagcx.connector.common.transport_choice import BUILT_IN
 
     assert set(TRANSPORT_NAMES) == {"auto", *BUILT_IN}
     with pytest.raises(SettingsError, match="auto, flagcx, local"):

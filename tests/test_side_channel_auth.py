@@ -18,7 +18,7 @@ import zmq
 from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.connector import integrity
+from vllm_flagcx.connector.common import integrity
 from vllm_flagcx.layout import bounds, plans
 from vllm_flagcx.wire import auth, client
 from vllm_flagcx.wire import handshake as hs

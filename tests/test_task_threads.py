@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from vllm_flagcx.connector.task_threads import TaskThreads
+from vllm_flagcx.connector.common.task_threads import TaskThreads
 
 
 def _wait(cond, timeout=5.0):

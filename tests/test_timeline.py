@@ -12,7 +12,7 @@ import pytest
 from testkit import router_standin as rs
 from testkit.router_standin import BODY, router
 
-from vllm_flagcx.connector.pull_clock import PullClock
+from vllm_flagcx.connector.decode.pull_clock import PullClock
 from vllm_flagcx.wire import timeline
 
 ROUTER = {"t_in": 10.0, "t_prefill_sent": 10.001, "t_prefill_done": 10.030,

@@ -33,8 +33,8 @@ def cpu_report(flags: frozenset[str] | None = None) -> dict[str, Any]:
 def flagcx_report(configured_library: str | None = None) -> dict[str, Any]:
     """Whether libflagcx loads (with every symbol the binding calls) and an RDMA device
     exists, and the transport ``auto`` picks from that."""
-    from vllm_flagcx.connector.settings import ConnectorSettings
-    from vllm_flagcx.connector.transport_choice import chosen_transport
+    from vllm_flagcx.connector.common.settings import ConnectorSettings
+    from vllm_flagcx.connector.common.transport_choice import chosen_transport
     from vllm_flagcx.transport.flagcx import (
         FlagCXLoadError,
         library_path,
@@ -68,7 +68,7 @@ def side_channel_report() -> dict[str, Any]:
     protected (``connector.settings``; docs/security.md says why)."""
     import os
 
-    from vllm_flagcx.connector.settings import ConnectorSettings
+    from vllm_flagcx.connector.common.settings import ConnectorSettings
 
     defaults = ConnectorSettings.from_extra(None)
     secret = bool(os.environ.get("FLAGCX_SIDE_CHANNEL_SECRET")

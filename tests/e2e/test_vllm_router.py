@@ -38,7 +38,7 @@ from engines import (
 )
 from testkit import router_standin as rs
 
-from vllm_flagcx.connector.settings import ConnectorSettings
+from vllm_flagcx.connector.common.settings import ConnectorSettings
 from vllm_flagcx.demo import run as demo_run
 from vllm_flagcx.demo import servers as sv
 

@@ -34,17 +34,17 @@ from vllm_flagcx.compat.connector_api import (
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
-from vllm_flagcx.connector.metadata import FlagCXMetadataPayload, RequestId
+from vllm_flagcx.connector.common.metadata import FlagCXMetadataPayload, RequestId
+from vllm_flagcx.connector.common.settings import (
+    ConnectorSettings,
+    SettingsError,
+)
+from vllm_flagcx.connector.common.transport_choice import make_transport
 from vllm_flagcx.connector.scheduler import (
     SchedulerHalf,
     SchedulerSettings,
     reports_failures_per_request,
 )
-from vllm_flagcx.connector.settings import (
-    ConnectorSettings,
-    SettingsError,
-)
-from vllm_flagcx.connector.transport_choice import make_transport
 from vllm_flagcx.wire import auth
 
 if TYPE_CHECKING:
@@ -217,8 +217,8 @@ class FlagCXConnector(PortableConnectorBase):
 
     # ---------------------------------------------------------------- worker side
     def _make_worker(self, regions: list[Any], host_memory: bool) -> WorkerHalf:
+        from vllm_flagcx.connector.common.worker_setup import layout_facts
         from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings
-        from vllm_flagcx.connector.worker_setup import layout_facts
 
         rank = compat_config.tp_rank()
         transport = make_transport(self.settings, self._vllm_config, rank, host_memory)
@@ -241,7 +241,7 @@ class FlagCXConnector(PortableConnectorBase):
         return WorkerHalf(settings, transport)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm_flagcx.connector.worker_setup import (
+        from vllm_flagcx.connector.common.worker_setup import (
             attention_dims,
             kv_cache_regions,
             kv_cache_views,

@@ -32,15 +32,15 @@ from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
-from vllm_flagcx.connector.loads import LoadPhase, Loads
-from vllm_flagcx.connector.metadata import (
+from vllm_flagcx.connector.common.metadata import (
     FlagCXMetadataPayload,
     RecvTask,
     RequestId,
     SendTask,
     TransferId,
 )
-from vllm_flagcx.connector.settings import DEFAULTS
+from vllm_flagcx.connector.common.settings import DEFAULTS
+from vllm_flagcx.connector.decode.loads import LoadPhase, Loads
 from vllm_flagcx.wire import params as wire_params
 from vllm_flagcx.wire.heartbeat import HeartbeatSender
 from vllm_flagcx.wire.params import (

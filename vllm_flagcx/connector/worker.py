@@ -1,6 +1,6 @@
 """Worker half of FlagCXConnector: one object per TP rank, composed of the parts that own
 its state: what was registered (``registration.Registration``, frozen), prefill's
-side-channel server (``side_channel_server``) over the transfers it holds
+side-channel server (``prefill.server``) over the transfers it holds
 (``sends.Sends``), decode's puller (``puller``), and the failure ledger (``ledger``), with
 the counters (``counters``) and histogram samples (``observations``) they share.
 
@@ -28,17 +28,17 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.in_flight import InFlight
-from vllm_flagcx.connector.ledger import STAGES, FailureLedger
-from vllm_flagcx.connector.metadata import FlagCXMetadataPayload, RequestId
-from vllm_flagcx.connector.observations import Observations
-from vllm_flagcx.connector.pull_clock import PullClock
-from vllm_flagcx.connector.puller import Puller
-from vllm_flagcx.connector.registration import Registration, register
-from vllm_flagcx.connector.sends import Sends
-from vllm_flagcx.connector.side_channel_server import SideChannelServer
-from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.connector.common.counters import Counters
+from vllm_flagcx.connector.common.in_flight import InFlight
+from vllm_flagcx.connector.common.metadata import FlagCXMetadataPayload, RequestId
+from vllm_flagcx.connector.common.observations import Observations
+from vllm_flagcx.connector.common.registration import Registration, register
+from vllm_flagcx.connector.common.worker_settings import WorkerSettings
+from vllm_flagcx.connector.decode.ledger import STAGES, FailureLedger
+from vllm_flagcx.connector.decode.pull_clock import PullClock
+from vllm_flagcx.connector.decode.puller import Puller
+from vllm_flagcx.connector.prefill.sends import Sends
+from vllm_flagcx.connector.prefill.server import SideChannelServer
 from vllm_flagcx.layout.regions import Region, kernel_ratios, model_page_bytes
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import handshake as hs

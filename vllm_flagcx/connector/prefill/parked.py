@@ -5,7 +5,7 @@ strangers (or one captured pull replayed) could fill a plain count cap and make 
 refuse the real decode's pulls (measured: 1,024 bare pulls per lease failed 143 of 342
 PD requests), or fill memory (64 parked pulls with large sheets: +975 MB). So:
 
-* the server claims BEFORE it parks (``side_channel_server``): a pull for an armed
+* the server claims BEFORE it parks (``prefill.server``): a pull for an armed
   transfer is written or answered at once, and only pulls that must wait come here;
 * an identical pull (same transfer, same receiver incarnation and rank) replaces the
   one parked before it: a replayed frame takes one slot, however often it arrives;
@@ -22,7 +22,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from vllm_flagcx.connector.peer_credentials import PeerCred
+from vllm_flagcx.connector.prefill.peer_credentials import PeerCred
 from vllm_flagcx.wire import handshake as hs
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet

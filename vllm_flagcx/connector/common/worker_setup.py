@@ -100,7 +100,7 @@ def warn_on_cpu_binding(host_memory: bool) -> None:
     to a core another engine on the host may share (``connector.host_cpus`` says why)."""
     if not hasattr(os, "sched_getaffinity"):
         return
-    from vllm_flagcx.connector.host_cpus import allowed_cpus, cpu_binding_warning
+    from vllm_flagcx.connector.common.host_cpus import allowed_cpus, cpu_binding_warning
 
     hint = cpu_binding_warning(set(os.sched_getaffinity(0)), allowed_cpus(),
                                compat_config.env("VLLM_CPU_OMP_THREADS_BIND"), host_memory)

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import zmq
 
-from vllm_flagcx.connector.host_cpus import unpinned
-from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.connector.common.host_cpus import unpinned
+from vllm_flagcx.connector.common.worker_settings import WorkerSettings
 from vllm_flagcx.wire import auth, curve, endpoints
 
 MAX_FRAME_BYTES = 16 << 20  # a larger side-channel frame drops its connection

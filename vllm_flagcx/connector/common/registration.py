@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_flagcx.connector import integrity
+from vllm_flagcx.connector.common import integrity
 from vllm_flagcx.layout.regions import Region, kernel_ratios, storage_spans
 from vllm_flagcx.wire import handshake as hs
 
 if TYPE_CHECKING:
-    from vllm_flagcx.connector.worker_settings import WorkerSettings
+    from vllm_flagcx.connector.common.worker_settings import WorkerSettings
     from vllm_flagcx.transport.base import Transport
 
 

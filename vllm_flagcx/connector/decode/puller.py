@@ -18,16 +18,17 @@ import threading
 import time
 from typing import Any
 
-from vllm_flagcx.connector import fault_knobs, integrity
-from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.in_flight import InFlight
-from vllm_flagcx.connector.ledger import FailureLedger
-from vllm_flagcx.connector.metadata import RecvTask, RequestId, TransferId
-from vllm_flagcx.connector.observations import Observations
-from vllm_flagcx.connector.pull_clock import PullClock
-from vllm_flagcx.connector.registration import Registration
-from vllm_flagcx.connector.task_threads import TaskThreads
-from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.connector.common import integrity
+from vllm_flagcx.connector.common.counters import Counters
+from vllm_flagcx.connector.common.in_flight import InFlight
+from vllm_flagcx.connector.common.metadata import RecvTask, RequestId, TransferId
+from vllm_flagcx.connector.common.observations import Observations
+from vllm_flagcx.connector.common.registration import Registration
+from vllm_flagcx.connector.common.task_threads import TaskThreads
+from vllm_flagcx.connector.common.worker_settings import WorkerSettings
+from vllm_flagcx.connector.decode import fault_knobs
+from vllm_flagcx.connector.decode.ledger import FailureLedger
+from vllm_flagcx.connector.decode.pull_clock import PullClock
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire import params as wire_params

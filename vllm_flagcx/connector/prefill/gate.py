@@ -6,7 +6,7 @@ without a secret only this uid, which the socket directory's mode already enforc
 message's MAC (``wire.auth``: the full key, or the router's one-way key, which makes the
 sender a ``router``), and, under CURVE, the credential's role (``wire.curve``); the
 lesser role wins. A refusal is answered bare (the sender may lack the key) and counted;
-nothing here raises into the server thread. The server (``side_channel_server``)
+nothing here raises into the server thread. The server (``prefill.server``)
 handles what gets through, and checks a same-host pull's target with the peer found here.
 """
 
@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.peer_credentials import PeerCred, from_peer_address
+from vllm_flagcx.connector.common.counters import Counters
+from vllm_flagcx.connector.prefill.peer_credentials import PeerCred, from_peer_address
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.metrics import Stat

@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_flagcx.connector.settings import ConnectorSettings
+from vllm_flagcx.connector.common.settings import ConnectorSettings
 
 if TYPE_CHECKING:
     from vllm_flagcx.transport.base import Transport

@@ -1,6 +1,6 @@
 """Prefill's side-channel server: handshakes, pulls, releases, heartbeats, and the writes.
 
-One thread owns the ZMQ sockets (``_serve``; where they listen: ``side_channel_sockets``);
+One thread owns the ZMQ sockets (``_serve``; where they listen: ``prefill.sockets``);
 writes run on writer threads (``_write_job``) and their replies come back through an
 outbox. The transfers' lifecycle and its safety
 invariant (a Release is acknowledged only once no write into its blocks is in flight) are
@@ -13,7 +13,7 @@ same-host transport the process it names (``peer_credentials``: the one that con
 as it ran then; asked again right before the write).
 
 Who may talk at all (envelope, local peer, MAC, CURVE role) is decided first, by
-``side_channel_gate.Gate``. It owns its sockets, thread, wake pipe, outbox, parked pulls
+``prefill.gate.Gate``. It owns its sockets, thread, wake pipe, outbox, parked pulls
 and writer pool; the transfers (``Sends``) and the counters are shared with the worker
 that built it, and what was registered comes as one frozen ``Registration``.
 """
@@ -30,18 +30,18 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.host_cpus import unpin_this_thread
-from vllm_flagcx.connector.in_flight import InFlight
-from vllm_flagcx.connector.parked import ParkedPull, ParkedPulls
-from vllm_flagcx.connector.peer_credentials import PeerCred, target_refusal
-from vllm_flagcx.connector.receivers import pull_problem
-from vllm_flagcx.connector.registration import Registration
-from vllm_flagcx.connector.sends import Claim, Send, Sends
-from vllm_flagcx.connector.side_channel_gate import Gate, Refused
-from vllm_flagcx.connector.side_channel_sockets import UNIX, Listeners, route
-from vllm_flagcx.connector.side_channel_writes import SideChannelWrites
-from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.connector.common.counters import Counters
+from vllm_flagcx.connector.common.host_cpus import unpin_this_thread
+from vllm_flagcx.connector.common.in_flight import InFlight
+from vllm_flagcx.connector.common.registration import Registration
+from vllm_flagcx.connector.common.worker_settings import WorkerSettings
+from vllm_flagcx.connector.prefill.gate import Gate, Refused
+from vllm_flagcx.connector.prefill.parked import ParkedPull, ParkedPulls
+from vllm_flagcx.connector.prefill.peer_credentials import PeerCred, target_refusal
+from vllm_flagcx.connector.prefill.receivers import pull_problem
+from vllm_flagcx.connector.prefill.sends import Claim, Send, Sends
+from vllm_flagcx.connector.prefill.sockets import UNIX, Listeners, route
+from vllm_flagcx.connector.prefill.writes import SideChannelWrites
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
@@ -105,7 +105,7 @@ class SideChannelServer:
         return self._settings.side_channel_port + self._settings.tp_rank
 
     def start(self) -> None:
-        """Listen (``side_channel_sockets``: the rank's Unix socket, and TCP
+        """Listen (``prefill.sockets``: the rank's Unix socket, and TCP
         ``side_channel_port + tp_rank`` with a secret) and serve; RuntimeError naming the
         setting when it cannot."""
         self._listeners.open()

@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from vllm_flagcx.connector.metadata import SendTask
+from vllm_flagcx.connector.common.metadata import SendTask
 
 MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
 MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked

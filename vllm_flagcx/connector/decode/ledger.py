@@ -11,7 +11,7 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from vllm_flagcx.connector.counters import delta
+from vllm_flagcx.connector.common.counters import delta
 
 logger = logging.getLogger("vllm_flagcx")
 

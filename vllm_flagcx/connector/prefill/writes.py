@@ -1,7 +1,7 @@
 """Prefill's writes: one claimed pull planned, checked, written and answered, with the
 integrity samples taken before the reply (the blocks may be reused right after it).
 
-The side-channel server (``side_channel_server``) claims a pull and hands it here on a
+The side-channel server (``prefill.server``) claims a pull and hands it here on a
 writer thread; apart because the write path is its own responsibility: the plan, the
 bounds check, the transport and its connections, the samples, and the rule that a write
 which waited too long, or whose transfer decode released meanwhile, never starts.
@@ -14,12 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from vllm_flagcx.connector import integrity
-from vllm_flagcx.connector.counters import Counters
-from vllm_flagcx.connector.receivers import ReceiverCache
-from vllm_flagcx.connector.registration import Registration
-from vllm_flagcx.connector.sends import Send, Sends
-from vllm_flagcx.connector.worker_settings import WorkerSettings
+from vllm_flagcx.connector.common import integrity
+from vllm_flagcx.connector.common.counters import Counters
+from vllm_flagcx.connector.common.registration import Registration
+from vllm_flagcx.connector.common.worker_settings import WorkerSettings
+from vllm_flagcx.connector.prefill.receivers import ReceiverCache
+from vllm_flagcx.connector.prefill.sends import Send, Sends
 from vllm_flagcx.layout import bounds, plans
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import handshake as hs

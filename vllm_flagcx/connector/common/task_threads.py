@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_flagcx.connector.host_cpus import unpin_this_thread
+from vllm_flagcx.connector.common.host_cpus import unpin_this_thread
 
 DEFAULT_THREADS = 16
 

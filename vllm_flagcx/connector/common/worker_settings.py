@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from vllm_flagcx.connector.settings import DEFAULTS
+from vllm_flagcx.connector.common.settings import DEFAULTS
 from vllm_flagcx.wire import handshake as hs
 
 

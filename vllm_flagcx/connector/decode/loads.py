@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_flagcx.connector.metadata import RequestId
+from vllm_flagcx.connector.common.metadata import RequestId
 from vllm_flagcx.wire.params import RemotePrefill
 
 
