@@ -28,6 +28,40 @@ def test_a_side_channel_port_in_use_names_the_setting():
         p.shutdown()
 
 
+def test_a_taken_side_channel_is_refused_when_vllm_builds_the_worker_connector(tmp_path):
+    """Before the model loads: vLLM builds the worker's connector first, and a port found
+    taken only at ``register_kv_caches`` cost minutes of engine start. Both endpoints: the
+    Unix socket, and with a secret the TCP port."""
+    from testkit import vllm_harness as harness
+
+    from vllm_flagcx.compat.connector_api import KVConnectorRole
+    from vllm_flagcx.connector import FlagCXConnector
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    for secret_file in (None, str(secret)):
+        port = pd.free_port()
+        p = pd.build_instance("kv_producer", 1, port, model="dense", secret_file=secret_file)
+        extra = {"side_channel_port": port, "side_channel_secret_file": secret_file,
+                 "transport_factory": "testkit.transport_standin:factory"}
+        config = harness.make_vllm_config(model=harness.DENSE_MODEL, hma=True,
+                                          kv_role="kv_producer", extra_config=extra)
+        try:
+            with pytest.raises(RuntimeError, match=r"side_channel_port: .*served by another"):
+                FlagCXConnector(config, KVConnectorRole.WORKER, p.ranks[0].config)
+            if secret_file:  # the socket is free, the TCP port is not
+                p.workers[0].server.shutdown()
+                import socket
+
+                with socket.create_server(("127.0.0.1", port)), pytest.raises(
+                        RuntimeError, match=r"side_channel_port: port \d+ .* in use"):
+                    FlagCXConnector(config, KVConnectorRole.WORKER, p.ranks[0].config)
+        finally:
+            p.shutdown()
+    FlagCXConnector(config, KVConnectorRole.WORKER, p.ranks[0].config)  # free again
+
+
 def test_a_host_name_as_bind_address_names_the_setting():
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense")

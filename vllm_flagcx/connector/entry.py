@@ -135,6 +135,12 @@ class FlagCXConnector(PortableConnectorBase):
         self.worker: WorkerHalf | None = None
         if self.is_scheduler:
             self.scheduler = self._make_scheduler(vllm_config, kv_cache_config)
+        elif ktc.is_kv_producer:  # before the model loads: a taken port is found at once
+            from vllm_flagcx.connector.prefill.sockets import check_free
+
+            rank = compat_config.tp_rank()
+            check_free(self.settings.bind_host, self.side_channel_port + rank, rank,
+                       self._key is not None)
         self._metadata_payload: FlagCXMetadataPayload | None = None
         # How failed receives are reported (connector.scheduler says why); fixed per model.
         self._failures_per_request = reports_failures_per_request(

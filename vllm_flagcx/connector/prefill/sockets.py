@@ -44,6 +44,29 @@ def bind_error(host: str, port: int, rank: int, exc: Exception) -> RuntimeError:
         "interfaces (or 0.0.0.0 with a secret), not a host name")
 
 
+def check_free(bind_host: str, port: int, tp_rank: int, secret: bool) -> None:
+    """Refuse, naming the setting, a side channel this rank could not open later: checked
+    when vLLM builds the worker's connector, before the model loads (a port found taken
+    at ``register_kv_caches`` cost minutes of engine start first)."""
+    import socket
+
+    path = endpoints.socket_path(port, endpoints.ensure_private_dir())
+    if endpoints.in_use(path):
+        raise RuntimeError(
+            f"kv_connector_extra_config.side_channel_port: {path} (port {port}, base + TP "
+            f"rank {tp_rank}) is served by another process; give each prefill instance its "
+            "own side_channel_port")
+    if not secret:
+        return  # no TCP port without a secret
+    try:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((bind_host, port))
+    except OSError as exc:
+        raise bind_error(bind_host, port, tp_rank, exc) from None
+
+
 def route(tag: bytes, role: str, ident: bytes) -> bytes:
     """The ident the server hands around for a sender's ZMQ ``ident``."""
     return tag + ROLE_TAGS.get(role, b"r") + ident
