@@ -88,6 +88,10 @@ def test_the_concurrent_contract_is_refused_by_name_and_computed_locally():
             d.step()
         assert pd.finished_ids(d).get(req.request_id) is not None  # computed, not stuck
         assert d.scheduler.connector.scheduler.rejected_params == 1
+        told = [o.kv_transfer_params for step in d.outputs for eng in step.values()
+                for o in eng.outputs if o.request_id == req.request_id and o.finish_reason]
+        assert len(told) == 1 and "remote_bootstrap_addr" in told[0][
+            wire_params.NOT_LOADED]  # the client sees why no KV moved
     finally:
         d.shutdown()
 

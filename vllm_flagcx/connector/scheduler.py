@@ -111,6 +111,8 @@ class SchedulerHalf:
         self._freed_here: set[str] = set()  # KEPT loads freed by us (0.13) last step
         self.recomputed_after_failure = 0
         self.rejected_params = 0
+        # decode: request_id -> why its params were refused, told in its response
+        self._refused: dict[str, str] = {}
         self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3,
                                           key=settings.key)
 
@@ -146,6 +148,7 @@ class SchedulerHalf:
             self.rejected_params += 1
             logger.warning("request %s: %s; computing it locally", request.request_id, exc)
             wire_params.mark_loaded(request.kv_transfer_params)
+            self._refused[request.request_id] = str(exc)
             return None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -214,6 +217,7 @@ class SchedulerHalf:
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = self._params(request)
+        refused = self._refused.pop(request.request_id, None)
         self.heartbeats.unwatch(request.request_id)
         ended = self.loads.end_request(request.request_id)
         phase, awaited = ended if ended is not None else (None, None)
@@ -231,6 +235,8 @@ class SchedulerHalf:
             # is where vLLM frees the blocks of a request that already finished (0.13: we
             # do, compat.recovery.free_finished_load).
             return True, None
+        if refused is not None:  # the client learns its KV was computed here, and why
+            return False, wire_params.not_loaded_params(refused)
         if not wire_params.wants_remote_decode(params) or not self._finished_by_length(request):
             return False, None
         ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]

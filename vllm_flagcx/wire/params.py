@@ -116,6 +116,16 @@ NUM_TOKENS = "remote_num_tokens"  # prefill -> decode: the prompt tokens it hold
 # prefill computes every prompt token (no Mamba N-1 truncation): its sampled token is the
 # true first token and the state it holds is the one after the whole prompt
 FIRST_TOKEN_SEEDED = "first_token_seeded"
+# decode -> the client (in the response's kv_transfer_params): why this request's KV was
+# computed locally instead of loaded (e.g. a router in Mooncake mode): a correct answer
+# that moved no KV is otherwise indistinguishable from PD working
+NOT_LOADED = "flagcx_not_loaded"
+
+
+def not_loaded_params(reason: str) -> dict[str, object]:
+    """What decode returns for a request it computed locally because its params were
+    refused: ``reason`` names the field and the fix (bounded: it crosses to the client)."""
+    return {NOT_LOADED: reason[:1000]}
 
 
 def wants_remote_prefill(params: Mapping[str, Any]) -> bool:
