@@ -8,9 +8,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -19,17 +19,24 @@ from vllm_flagcx.router.legs import LegError, sse_error
 from vllm_flagcx.router.pool import Instance
 from vllm_flagcx.wire import timeline
 
-if TYPE_CHECKING:
-    from vllm_flagcx.router.proxy import Proxy
-
 logger = logging.getLogger("vllm_flagcx.router")
+# (path, body, prefill's params, the flow's marks) -> decode's instance and response
+OpenDecode = Callable[[str, dict[str, Any], dict[str, Any] | None, dict[str, float]],
+                      Awaitable[tuple[Instance, httpx.Response]]]
 
 
 @dataclass
 class Flow:
-    """One request between prefill's answer and the end of decode's answer."""
+    """One request between prefill's answer and the end of decode's answer.
 
-    proxy: Proxy
+    It is handed what it uses of the router that started it, not the router: how to free
+    what prefill holds (``release``), how to open decode's leg (``open_decode``), the
+    failure counters it adds to, and whether timelines log at INFO."""
+
+    release: Callable[[dict[str, Any] | None], Awaitable[None]]
+    open_decode: OpenDecode
+    counters: dict[str, float]  # the router's, which /stats reports
+    log_timelines: bool
     transfer_id: str
     params: dict[str, Any] | None = None
     instance: Instance | None = None
@@ -48,7 +55,7 @@ class Flow:
         if "t_first_byte" in self.marks:
             return
         self.marks["t_first_byte"] = time.monotonic()
-        level = logging.INFO if self.proxy.settings.log_timelines else logging.DEBUG
+        level = logging.INFO if self.log_timelines else logging.DEBUG
         if logger.isEnabledFor(level):
             logger.log(level, "%s", timeline.format_line("router", self.transfer_id,
                                                          self.marks))
@@ -61,7 +68,7 @@ class Flow:
         accepted = self.instance is not None
         await self.close()
         if not accepted:
-            await self.proxy.release(self.params)
+            await self.release(self.params)
 
     def watch_prefill(self) -> None:
         """Concurrent mode: a failed prefill leg closes decode's answer at once (decode
@@ -78,12 +85,12 @@ class Flow:
         prefill holds (decode never took the request)."""
         self.decode_leg = None
         try:
-            self.instance, self.response = await self.proxy.open_decode(
+            self.instance, self.response = await self.open_decode(
                 path, leg, self.params, self.marks)
         except BaseException as exc:  # a failed leg, or the client went away meanwhile
             if isinstance(exc, LegError):
-                self.proxy.counters[f"failed_{exc.leg}"] += 1
-            await self.proxy.release(self.params)
+                self.counters[f"failed_{exc.leg}"] += 1
+            await self.release(self.params)
             raise
 
     def prefill_error(self) -> LegError | None:
@@ -118,7 +125,7 @@ class Flow:
             if (error := self.prefill_error()) is not None:
                 raise error from exc
             self.instance.failed += 1
-            self.proxy.counters["failed_decode"] += 1
+            self.counters["failed_decode"] += 1
             raise LegError(502, "decode", self.instance.url, f"answer cut: {exc!r}") from exc
         finally:
             await self.close()
@@ -126,7 +133,7 @@ class Flow:
             parsed = json.loads(data)
         except ValueError:
             self.instance.failed += 1
-            self.proxy.counters["failed_decode"] += 1
+            self.counters["failed_decode"] += 1
             raise LegError(502, "decode", self.instance.url,
                            f"answered 200 with a body that is not JSON: {data[:200]!r}"
                            ) from None
@@ -150,7 +157,7 @@ class Flow:
             except BaseException:  # the client left before decode's leg opened
                 if self.decode_leg is not None:
                     self.decode_leg = None
-                    self._closing = asyncio.ensure_future(self.proxy.release(self.params))
+                    self._closing = asyncio.ensure_future(self.release(self.params))
                 raise
         if self.decode_leg is not None:
             try:
@@ -174,7 +181,7 @@ class Flow:
                 yield sse_error(error)
                 return
             instance.failed += 1
-            self.proxy.counters["failed_decode"] += 1
+            self.counters["failed_decode"] += 1
             yield sse_error(LegError(502, "decode", instance.url, f"stream cut: {exc!r}"))
         except LegError as exc:
             yield sse_error(exc)

@@ -209,7 +209,8 @@ class Proxy:
     async def start(self, path: str, body: dict[str, Any]) -> Flow:
         """Both legs up to decode's response headers; raises LegError."""
         self.counters["requests"] += 1
-        flow = Flow(self, transfer_id=f"flagcx-{uuid.uuid4().hex}")
+        flow = Flow(self.release, self.open_decode, self.counters,
+                    self.settings.log_timelines, transfer_id=f"flagcx-{uuid.uuid4().hex}")
         flow.marks["t_in"] = time.monotonic()
         try:
             if self.settings.mode == "concurrent":
