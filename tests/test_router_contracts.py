@@ -92,7 +92,33 @@ def test_the_concurrent_contract_is_refused_by_name_and_computed_locally():
                 for o in eng.outputs if o.request_id == req.request_id and o.finish_reason]
         assert len(told) == 1 and "remote_bootstrap_addr" in told[0][
             wire_params.NOT_LOADED]  # the client sees why no KV moved
+        assert req.kv_transfer_params == params  # read, never changed
     finally:
+        d.shutdown()
+
+
+def test_decode_reads_the_users_kv_transfer_params_and_never_changes_them():
+    """Loaded, refused, or a non-object: the request's params are as the client sent them
+    (before: decode wrote do_remote_prefill=False into them, or replaced them by None)."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="dense")
+    try:
+        records = pd.run_prefill(p, [40])
+        pd.run_decode(p, d, records)
+        pd.assert_attention_bytes_moved(p, d, records)
+        rec = next(iter(records.values()))
+        assert rec["d_request"].kv_transfer_params == rec["params"]
+        assert rec["d_request"].kv_transfer_params["do_remote_prefill"] is True
+        odd = harness.make_request(40, max_tokens=2, kv_transfer_params=["not", "a", "map"])
+        d.scheduler.add_request(odd)
+        for _ in range(20):
+            d.step()
+        assert pd.finished_ids(d).get(odd.request_id) is not None
+        assert odd.kv_transfer_params == ["not", "a", "map"]
+        assert d.scheduler.connector.scheduler.rejected_params == 1  # warned once
+    finally:
+        p.shutdown()
         d.shutdown()
 
 

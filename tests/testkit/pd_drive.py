@@ -68,7 +68,7 @@ def run_decode(p: Instance, d: Instance, records: dict[str, Any], max_tokens: in
         req = harness.make_request(rec["tokens"], max_tokens=max_tokens,
                                    kv_transfer_params=params, hasher=hasher)
         d.scheduler.add_request(req)
-        rec["d_req"] = req.request_id
+        rec["d_req"], rec["d_request"] = req.request_id, req
     settle(p, d, timeout)
 
 

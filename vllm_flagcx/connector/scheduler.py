@@ -113,6 +113,8 @@ class SchedulerHalf:
         self.rejected_params = 0
         # decode: request_id -> why its params were refused, told in its response
         self._refused: dict[str, str] = {}
+        # request_id -> its remote prefill, parsed once (None: none, refused, or planned)
+        self._remotes: dict[str, RemotePrefill | None] = {}
         self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3,
                                           key=settings.key)
 
@@ -127,29 +129,37 @@ class SchedulerHalf:
 
     def _params(self, request: Any) -> Mapping[str, Any]:
         """The request's ``kv_transfer_params`` when they are an object; anything else
-        (reachable through ``vllm_xargs``) is ignored with a warning, never a crash."""
+        (reachable through ``vllm_xargs``) is ignored with a warning (once), never a crash,
+        and never written back: the user's params are read, not changed."""
         params = request.kv_transfer_params
         if params is None or isinstance(params, Mapping):
             return params or {}
-        self.rejected_params += 1
-        logger.warning("request %s: kv_transfer_params must be an object, got %s; ignored "
-                       "(computed locally)", request.request_id, type(params).__name__)
-        request.kv_transfer_params = None
+        if request.request_id not in self._refused:
+            self._refuse(request.request_id, f"kv_transfer_params must be an object, got "
+                         f"{type(params).__name__}; ignored")
         return {}
 
+    def _refuse(self, request_id: str, why: str) -> None:
+        self.rejected_params += 1
+        logger.warning("request %s: %s; computing it locally", request_id, why)
+        self._refused[request_id] = why
+
     def _remote(self, request: Any) -> RemotePrefill | None:
+        """What decode loads this request's KV from, parsed once per request; None for
+        none, refused params, or once the load was planned (never load twice)."""
+        request_id = request.request_id
+        if request_id in self._remotes:
+            return self._remotes[request_id]
         params = self._params(request)
-        if not params or not wire_params.wants_remote_prefill(params):
-            return None
-        try:
-            return parse_remote_prefill(params)
-        except TransferParamsError as exc:
-            # Bad input never strands a request: it is computed locally instead.
-            self.rejected_params += 1
-            logger.warning("request %s: %s; computing it locally", request.request_id, exc)
-            wire_params.mark_loaded(request.kv_transfer_params)
-            self._refused[request.request_id] = str(exc)
-            return None
+        remote = None
+        if params and wire_params.wants_remote_prefill(params):
+            try:
+                remote = parse_remote_prefill(params)
+            except TransferParamsError as exc:
+                # Bad input never strands a request: it is computed locally instead.
+                self._refuse(request_id, str(exc))
+        self._remotes[request_id] = remote
+        return remote
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -183,7 +193,7 @@ class SchedulerHalf:
         if remote is None:
             return
         self.heartbeats.unwatch(request.request_id)
-        wire_params.mark_loaded(request.kv_transfer_params)  # never load twice
+        self._remotes[request.request_id] = None  # planned (or a local hit): never twice
         if num_external_tokens <= 0:
             # Everything was a local hit: prefill still holds blocks; free them there.
             self.loads.drop(request.request_id)
@@ -217,14 +227,16 @@ class SchedulerHalf:
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = self._params(request)
+        unplanned = self._remote(request)  # still to load (parsed here if never before)
+        self._remotes.pop(request.request_id, None)
         refused = self._refused.pop(request.request_id, None)
         self.heartbeats.unwatch(request.request_id)
         ended = self.loads.end_request(request.request_id)
         phase, awaited = ended if ended is not None else (None, None)
         loading = phase in (LoadPhase.PLANNED, LoadPhase.PULLING)
-        if wire_params.wants_remote_prefill(params) or loading:
+        if unplanned is not None or loading:
             # Decode request ended before (or while) its KV arrived: tell prefill.
-            remote = awaited if loading else self._remote(request)
+            remote = awaited if loading else unplanned
             if remote is not None:
                 self._pending.release[remote.transfer_id] = remote
             if phase is not LoadPhase.PULLING:

@@ -21,7 +21,8 @@ from vllm_flagcx.wire import timeline
 
 logger = logging.getLogger("vllm_flagcx.router")
 # (path, body, prefill's params, the flow's marks) -> decode's instance and response
-OpenDecode = Callable[[str, dict[str, Any], dict[str, Any] | None, dict[str, float]],
+Json = dict[str, Any]  # a request body or kv_transfer_params, as the router relays it
+OpenDecode = Callable[[str, Json, Json | None, dict[str, float]],
                       Awaitable[tuple[Instance, httpx.Response]]]
 
 
@@ -33,12 +34,12 @@ class Flow:
     what prefill holds (``release``), how to open decode's leg (``open_decode``), the
     failure counters it adds to, and whether timelines log at INFO."""
 
-    release: Callable[[dict[str, Any] | None], Awaitable[None]]
+    release: Callable[[Json | None], Awaitable[None]]
     open_decode: OpenDecode
     counters: dict[str, float]  # the router's, which /stats reports
     log_timelines: bool
     transfer_id: str
-    params: dict[str, Any] | None = None
+    params: Json | None = None
     instance: Instance | None = None
     response: httpx.Response | None = None
     prefill_task: asyncio.Task | None = None

@@ -91,7 +91,9 @@ def is_this_host(host: str) -> bool:
 
 def local_socket(host: str, port: int, directory: str | None = None) -> str | None:
     """The Unix socket of this host's side channel on ``port``, where ``host`` is this
-    machine and this user's private directory holds it; else None (use TCP)."""
+    machine, this user's private directory holds it and a process listens there (a file
+    left by a killed engine is not followed: ZMQ would retry it silently); else None
+    (use TCP)."""
     if not is_this_host(host):
         return None
     try:
@@ -102,7 +104,7 @@ def local_socket(host: str, port: int, directory: str | None = None) -> str | No
             return None
     except OSError:
         return None
-    return path
+    return path if in_use(path) else None
 
 
 def address(host: str, port: int, directory: str | None = None) -> str:

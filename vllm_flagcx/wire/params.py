@@ -7,7 +7,7 @@ instead of failing deep inside a worker.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NewType
 
@@ -134,11 +134,6 @@ def wants_remote_prefill(params: Mapping[str, Any]) -> bool:
 
 def wants_remote_decode(params: Mapping[str, Any]) -> bool:
     return bool(params.get(REMOTE_DECODE))
-
-
-def mark_loaded(params: MutableMapping[str, Any]) -> None:
-    """Decode allocated (or gave up on) this load: never load it twice."""
-    params[REMOTE_PREFILL] = False
 
 
 def seeds_first_token(params: Mapping[str, object]) -> bool:
