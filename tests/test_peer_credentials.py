@@ -257,3 +257,19 @@ def test_the_socket_directory_must_be_this_users_alone(tmp_path):
         assert endpoints.address("192.0.2.1", 7, made) == "tcp://192.0.2.1:7"
     finally:
         sock.close()
+    assert endpoints.SOCKET_DIR_ENV in endpoints.hint("127.0.0.1", 1)  # no socket here: said
+    assert endpoints.hint("192.0.2.1", 1) == ""  # another host: TCP is the way
+
+
+def test_a_decode_that_cannot_see_prefills_socket_is_told_which_directory(monkeypatch):
+    """Prefill without a secret listens only on its Unix socket; a decode with another
+    directory (a container without the mount) reaches nothing: the error says why."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    try:
+        monkeypatch.setenv(endpoints.SOCKET_DIR_ENV, tempfile.mkdtemp(prefix="fx-"))
+        with pytest.raises(client.PeerGoneError, match=endpoints.SOCKET_DIR_ENV):
+            client.ask(zmq.Context(), "127.0.0.1", port,
+                       hs.HandshakeRequest(hs.PROTOCOL_VERSION, 0), 5.0, probe_every=0.2)
+    finally:
+        p.shutdown()

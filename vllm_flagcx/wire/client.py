@@ -97,14 +97,18 @@ class _Connection:
 
         host, port, sock = self.host, self.port, self.sock
         deadline = time.monotonic() + timeout
-        late = f"no answer from {host}:{port} within {timeout:.1f} s"
+
+        def late() -> str:  # built only when raised: the hint probes the socket
+            return f"no answer from {host}:{port} within {timeout:.1f} s" \
+                f"{endpoints.hint(host, port)}"
+
         try:
             sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
             sock.send(auth.seal(key, hs.encode(message)))
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(late)
+                    raise TimeoutError(late())
                 wait = left if probe_every is None else min(left, probe_every)
                 ready = dict(_poller(sock, self.monitor).poll(max(1, int(wait * 1000))))
                 if ready.get(sock):
@@ -113,9 +117,10 @@ class _Connection:
                     _raise_on_handshake_failure(self.monitor, key is not None, host, port)
                 elif probe_every is not None and listening(host, port) is False:
                     raise PeerGoneError(f"{host}:{port} refuses connections: the prefill "
-                                        "worker that serves it is gone")
+                                        "worker that serves it is gone"
+                                        f"{endpoints.hint(host, port)}")
         except zmq.error.Again as exc:  # the send itself timed out
-            raise TimeoutError(late) from exc
+            raise TimeoutError(late()) from exc
         except zmq.error.ContextTerminated as exc:  # this worker shuts down under the wait
             raise ConnectionAbortedError(f"asking {host}:{port}: the side channel was "
                                          "closed (shutdown)") from exc

@@ -115,6 +115,17 @@ def address(host: str, port: int, directory: str | None = None) -> str:
     return f"tcp://{host}:{port}"
 
 
+def hint(host: str, port: int) -> str:
+    """What to add to a failed exchange with a peer on this host reached over TCP: without
+    a secret prefill listens only on its Unix socket, which this process may not see."""
+    if not is_this_host(host) or local_socket(host, port) is not None:
+        return ""
+    return (f"; no side-channel socket for port {port} in {socket_dir()}: without a secret "
+            f"prefill listens only there, so give decode and the router the same "
+            f"{SOCKET_DIR_ENV} as prefill (and mount it into containers), or set a secret "
+            "on every instance")
+
+
 def listening(host: str, port: int, timeout: float = 0.5) -> bool | None:
     """True: something accepts connections at the side channel of ``host:port``; False:
     refused (nothing listens there); None: no verdict within ``timeout``."""
