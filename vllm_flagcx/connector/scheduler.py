@@ -128,15 +128,16 @@ class SchedulerHalf:
             self.heartbeats.watch(request.request_id, remote)
 
     def _params(self, request: Any) -> Mapping[str, Any]:
-        """The request's ``kv_transfer_params`` when they are an object; anything else
-        (reachable through ``vllm_xargs``) is ignored with a warning (once), never a crash,
-        and never written back: the user's params are read, not changed."""
+        """The request's ``kv_transfer_params`` when they are an object, read and never
+        changed. Anything else (reachable through ``vllm_xargs``) is ignored with a warning
+        and replaced by None, the one write: vLLM 0.34's own ``add_request`` calls
+        ``.get`` on it right after ``on_new_request`` and would crash the engine."""
         params = request.kv_transfer_params
         if params is None or isinstance(params, Mapping):
             return params or {}
-        if request.request_id not in self._refused:
-            self._refuse(request.request_id, f"kv_transfer_params must be an object, got "
-                         f"{type(params).__name__}; ignored")
+        self._refuse(request.request_id, f"kv_transfer_params must be an object, got "
+                     f"{type(params).__name__}; ignored")
+        request.kv_transfer_params = None
         return {}
 
     def _refuse(self, request_id: str, why: str) -> None:
