@@ -5,8 +5,9 @@ import each other, common imports neither, and only ``entry`` (what vLLM calls),
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from testkit.imports import layer_offenders, subpackages_imported
 
 CONNECTOR = Path(__file__).resolve().parent.parent / "vllm_flagcx" / "connector"
 
@@ -16,29 +17,8 @@ CONNECTOR = Path(__file__).resolve().parent.parent / "vllm_flagcx" / "connector"
 ROLES = {"prefill": {"common"}, "decode": {"common"}, "common": set()}
 
 
-def _role_imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = set()
-    for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module] if isinstance(node, ast.ImportFrom) and node.module
-                 and node.level == 0 else [])
-        for name in names:
-            parts = name.split(".")
-            if parts[:2] == ["vllm_flagcx", "connector"] and len(parts) > 2:
-                found.add(parts[2])
-    return found
-
-
 def test_prefill_and_decode_never_import_each_other():
-    offenders = []
-    for role, allowed in ROLES.items():
-        for path in sorted((CONNECTOR / role).rglob("*.py")):
-            extra = _role_imports(path) - allowed - {role}
-            if extra:
-                where = path.relative_to(CONNECTOR.parent.parent)
-                offenders.append(f"{where} imports {sorted(extra)}")
-    assert offenders == [], offenders
+    assert layer_offenders(CONNECTOR, ROLES, "vllm_flagcx.connector") == []
     top = {p.stem for p in CONNECTOR.glob("*.py")} - {"__init__"}
     assert top == {"entry", "scheduler", "worker"}, "give a new connector module its role"
 
@@ -47,4 +27,5 @@ def test_the_role_check_catches_a_cross_import(tmp_path):
     sample = tmp_path / "x.py"
     sample.write_text("from vllm_flagcx.connector.decode.puller import Puller\n"
                       "import vllm_flagcx.connector.common.counters\n")
-    assert _role_imports(sample) == {"decode", "common"}
+    assert subpackages_imported(sample, "vllm_flagcx.connector") == {"decode", "common"}
+    assert subpackages_imported(sample) == {"connector"}

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit.imports import layer_offenders
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_flagcx"
 MATRIX = PACKAGE.parent / "matrix"
@@ -108,29 +109,8 @@ LAYERS = {
 }
 
 
-def _package_imports(path: Path) -> set[str]:
-    """The vllm_flagcx subpackages a file imports (absolute imports, any depth)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = set()
-    for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module] if isinstance(node, ast.ImportFrom) and node.module
-                 and node.level == 0 else [])
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "vllm_flagcx" and len(parts) > 1:
-                found.add(parts[1])
-    return found
-
-
 def test_no_package_imports_a_layer_above_it():
-    offenders = []
-    for package, allowed in LAYERS.items():
-        for path in sorted((PACKAGE / package).rglob("*.py")):
-            extra = _package_imports(path) - allowed - {package}
-            if extra:
-                offenders.append(f"{path.relative_to(PACKAGE.parent)} imports {sorted(extra)}")
-    assert offenders == [], offenders
+    assert layer_offenders(PACKAGE, LAYERS, "vllm_flagcx") == []
 
 
 def test_every_package_has_a_layer_and_is_shipped():

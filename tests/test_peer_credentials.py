@@ -40,6 +40,10 @@ def _as_nobody(code: str) -> subprocess.CompletedProcess:
                                            "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
+def _this_process() -> pc.PeerCred:
+    return pc.PeerCred(os.getuid(), os.getgid(), os.getpid())
+
+
 def test_libzmq_hands_every_message_the_kernels_record_of_its_connection():
     with tempfile.TemporaryDirectory(prefix="fx-") as directory:
         context = zmq.Context()
@@ -50,7 +54,7 @@ def test_libzmq_hands_every_message_the_kernels_record_of_its_connection():
             sender.send(b"x")
             assert server.poll(5000)
             parts = server.recv_multipart(copy=False)
-            assert pc.from_peer_address(parts[-1].get("Peer-Address")) == pc.this_process()
+            assert pc.from_peer_address(parts[-1].get("Peer-Address")) == _this_process()
         finally:
             sender.close(0)
             server.close(0)
@@ -65,7 +69,7 @@ def test_peer_addresses_without_a_full_record_are_not_credentials():
 
 
 def test_a_process_is_named_only_by_itself_as_it_ran_when_it_connected(tmp_path):
-    me = pc.this_process()
+    me = _this_process()
     assert pc.target_refusal(me, me.pid) is None
     assert "came over TCP" in pc.target_refusal(None, me.pid)
     assert f"opened by pid {me.pid}" in pc.target_refusal(me, me.pid + 1)

@@ -69,9 +69,7 @@ def build(args: argparse.Namespace) -> FastAPI:
     try:
         key = curve.load_router_credential(args.side_channel_secret_file)
     except auth.AuthError as exc:
-        raise RouterConfigError(str(exc).replace(
-            f"kv_connector_extra_config.{auth.SECRET_FILE_KEY}", "--side-channel-secret-file")
-        ) from None
+        raise RouterConfigError(_as_router_flag(exc)) from None
     settings = RouterSettings(mode=args.mode, connect_timeout=args.connect_timeout,
                               prefill_timeout=args.prefill_timeout,
                               decode_timeout=args.decode_timeout, key=key,
@@ -91,9 +89,17 @@ def print_credential(secret_file: str | None) -> int:
             return 2
         print(curve.router_credential(auth.key_of(*found)).text())
     except auth.AuthError as exc:
-        print(f"vllm-flagcx router: {exc}")
+        print(f"vllm-flagcx router: {_as_router_flag(exc)}")
         return 2
     return 0
+
+
+def _as_router_flag(exc: Exception) -> str:
+    """An error about the secret file, naming the router's flag for it."""
+    from vllm_flagcx.wire import auth
+
+    return str(exc).replace(f"kv_connector_extra_config.{auth.SECRET_FILE_KEY}",
+                            "--side-channel-secret-file")
 
 
 def main(argv: list[str] | None = None) -> int:

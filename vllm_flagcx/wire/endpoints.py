@@ -129,16 +129,12 @@ def hint(host: str, port: int) -> str:
 def listening(host: str, port: int, timeout: float = 0.5) -> bool | None:
     """True: something accepts connections at the side channel of ``host:port``; False:
     refused (nothing listens there); None: no verdict within ``timeout``."""
-    path = local_socket(host, port)
+    if local_socket(host, port) is not None:  # it found a live listener already
+        return True
     try:
-        if path is not None:
-            with socket.socket(socket.AF_UNIX) as probe:
-                probe.settimeout(timeout)
-                probe.connect(path)
-            return True
         with socket.create_connection((host, port), timeout=timeout):
             return True
-    except (ConnectionRefusedError, FileNotFoundError):
+    except ConnectionRefusedError:
         return False
     except OSError:
         return None

@@ -24,7 +24,6 @@ could be written into anyway by that user), or an exec that gains file capabilit
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 PROC = "/proc"
@@ -95,7 +94,3 @@ def target_refusal(peer: PeerCred | None, declared_pid: int, proc: str = PROC) -
                 f"uid {peer.uid} / gid {peer.gid} it connected as (an exec of a "
                 "set-user-ID program?): not written into")
     return None
-
-
-def this_process() -> PeerCred:
-    return PeerCred(os.getuid(), os.getgid(), os.getpid())

@@ -40,7 +40,7 @@ from vllm_flagcx.connector.prefill.parked import ParkedPull, ParkedPulls
 from vllm_flagcx.connector.prefill.peer_credentials import PeerCred, target_refusal
 from vllm_flagcx.connector.prefill.receivers import pull_problem
 from vllm_flagcx.connector.prefill.sends import Claim, Send, Sends
-from vllm_flagcx.connector.prefill.sockets import UNIX, Listeners, route
+from vllm_flagcx.connector.prefill.sockets import UNIX, Listeners, route, routed_role
 from vllm_flagcx.connector.prefill.writes import SideChannelWrites
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import auth, curve
@@ -172,7 +172,7 @@ class SideChannelServer:
 
     def _send(self, ident: bytes, reply: hs.Message, sealed: bool = True) -> None:
         """Answer on the socket ``ident`` came in on, sealed with its sender's key."""
-        key = self._gate.seal_key("router" if ident[1:2] == b"r" else "decode")
+        key = self._gate.seal_key(routed_role(ident))
         payload = hs.encode(reply)
         self._listeners.send(ident, auth.seal(key, payload) if sealed else payload)
 

@@ -44,18 +44,25 @@ def bind_error(host: str, port: int, rank: int, exc: Exception) -> RuntimeError:
         "interfaces (or 0.0.0.0 with a secret), not a host name")
 
 
-def check_free(bind_host: str, port: int, tp_rank: int, secret: bool) -> None:
-    """Refuse, naming the setting, a side channel this rank could not open later: checked
-    when vLLM builds the worker's connector, before the model loads (a port found taken
-    at ``register_kv_caches`` cost minutes of engine start first)."""
-    import socket
-
+def free_socket_path(port: int, tp_rank: int) -> str:
+    """This rank's Unix socket path in the private socket directory (made if missing);
+    RuntimeError naming the setting when a live process already serves it."""
     path = endpoints.socket_path(port, endpoints.ensure_private_dir())
     if endpoints.in_use(path):
         raise RuntimeError(
             f"kv_connector_extra_config.side_channel_port: {path} (port {port}, base + TP "
             f"rank {tp_rank}) is served by another process; give each prefill instance its "
             "own side_channel_port")
+    return path
+
+
+def check_free(bind_host: str, port: int, tp_rank: int, secret: bool) -> None:
+    """Refuse, naming the setting, a side channel this rank could not open later: checked
+    when vLLM builds the worker's connector, before the model loads (a port found taken
+    at ``register_kv_caches`` cost minutes of engine start first)."""
+    import socket
+
+    free_socket_path(port, tp_rank)
     if not secret:
         return  # no TCP port without a secret
     try:
@@ -70,6 +77,11 @@ def check_free(bind_host: str, port: int, tp_rank: int, secret: bool) -> None:
 def route(tag: bytes, role: str, ident: bytes) -> bytes:
     """The ident the server hands around for a sender's ZMQ ``ident``."""
     return tag + ROLE_TAGS.get(role, b"r") + ident
+
+
+def routed_role(ident: bytes) -> str:
+    """The sender's role a ``route`` carries (what its answer is sealed for)."""
+    return "decode" if ident[1:2] == ROLE_TAGS["decode"] else "router"
 
 
 class Listeners:
@@ -94,12 +106,7 @@ class Listeners:
 
         settings = self._settings
         auth.require_secret_off_loopback(settings.bind_host, settings.key)
-        path = endpoints.socket_path(self.port, endpoints.ensure_private_dir())
-        if endpoints.in_use(path):
-            raise RuntimeError(
-                f"kv_connector_extra_config.side_channel_port: {path} (port {self.port}, "
-                f"base + TP rank {settings.tp_rank}) is served by another process; give "
-                "each prefill instance its own side_channel_port")
+        path = free_socket_path(self.port, settings.tp_rank)
         with unpinned():  # the context's I/O thread starts with the first socket
             self.context = zmq.Context()
         if settings.key is not None and curve.available():
