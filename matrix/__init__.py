@@ -42,6 +42,11 @@ class Build:
     simulate: VendorTraits
     overlay: tuple[str, ...] = ()
     profile: dict[str, str] = field(default_factory=dict)
+    tests: tuple[str, ...] = ()  # what its tox env runs; () is the whole suite
+
+    @property
+    def focused(self) -> bool:
+        return bool(self.tests)
 
     @property
     def pin(self) -> str:
@@ -66,9 +71,14 @@ def builds() -> tuple[Build, ...]:
     out = []
     for raw in data["build"]:
         profile = {**common, **raw.get("profile", {})}
+        suite = raw.get("suite", "all")
+        if suite != "all" and suite not in data.get("suites", {}):
+            raise ValueError(f"build {raw['env']}: suite {suite!r} is not in [suites] of "
+                           f"{BUILDS_FILE.name} (or write suite = \"all\")")
         out.append(Build(env=raw["env"], version=raw["version"], label=raw["label"],
                          simulate=VendorTraits(**raw["simulate"]),
-                         overlay=tuple(raw.get("overlay", ())), profile=profile))
+                         overlay=tuple(raw.get("overlay", ())), profile=profile,
+                         tests=tuple(data["suites"][suite]) if suite != "all" else ()))
     return tuple(out)
 
 

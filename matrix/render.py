@@ -66,6 +66,8 @@ def render_tox() -> str:
             "set_env =",
             "    {[testenv]set_env}",
             f"    VLLM_FLAGCX_INSTALL = {build.install}",
+            *([f"commands = python -m pytest {settings['pytest_args']} "
+               f"{{posargs:{' '.join(build.tests)}}}"] if build.focused else []),
             "",
         ]
     e2e_install = [  # e2e and demo share one ~6 GB base, as the matrix envs share theirs
@@ -107,6 +109,15 @@ def render_tox() -> str:
         "",
     ]
     lines += [
+        "[testenv:sweep]",
+        "description = every vLLM minor of [sweep] in matrix/builds.toml: install, probe, "
+        "the focused suite; writes matrix/sweep.json (not in .ci/run: 22 installs)",
+        "commands_pre =",
+        "    python matrix/ensure_base.py {work_dir}/shared-base",
+        "    python -m pip install --quiet --disable-pip-version-check --no-deps -e .",
+        "commands = python -m vllm_flagcx.matrix.sweep --base {work_dir}/shared-base "
+        "--work {work_dir}/sweep-venvs {posargs}",
+        "",
         "[testenv:doctor]",
         f"description = vllm-flagcx doctor on the newest build "
         f"(vLLM {newest.version})",
@@ -209,8 +220,32 @@ def render_porting() -> str:
         rule,
         *rows,
         "",
+        *render_sweep(),
         *FLAGCX_FACTS,
     ])
+
+
+def render_sweep() -> list[str]:
+    """The sweep's rows (matrix/sweep.json): each minor, its result, what changed."""
+    from vllm_flagcx.matrix.sweep import profile_changes, read_rows
+
+    rows = read_rows()
+    if not rows:
+        return []
+    lines = ["## Sweep: every minor (`tox -e sweep`, matrix/sweep.json)", "",
+             "Each minor's newest patch, installed as tox does, probed, and the focused suite",
+             "run on vLLM's real Scheduler. *Changed* lists the capabilities whose probed",
+             "value differs from the minor before it (the checklist above gives the values).",
+             "", "| vLLM | transformers | passed | failed | skipped | s | changed |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for row, changed in zip(rows, profile_changes(rows), strict=True):
+        overlay = next((p.split("==")[1] for p in row.get("overlay", [])
+                        if p.startswith("transformers==")), "?")
+        result = [str(row.get(k, 0)) for k in ("passed", "failed", "skipped")]
+        note = row.get("error") or ", ".join(f"`{k}`" for k in changed) or "-"
+        lines.append(f"| {row['version']} | {overlay} | {' | '.join(result)} | "
+                     f"{row['seconds']:.0f} | {note} |")
+    return [*lines, ""]
 
 
 # What a vendor porting the connector needs to know about FlagCX itself (read and built

@@ -9,6 +9,7 @@ vLLM module captures ``current_platform``. Spawned test processes import this fi
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -66,9 +67,17 @@ def _use_cpu_platform() -> None:
     except ImportError:  # the GPU machine runs only the vLLM-free GPU tests
         return
 
-    if getattr(platforms, "_current_platform", None) is not None:
-        return
-    platforms._current_platform = _cpu_platform_class()()
+    resolved = getattr(platforms, "_current_platform", None)
+    if resolved is not None and type(resolved).__name__ != "UnspecifiedPlatform":
+        return  # a real platform was chosen already (a spawned engine's own)
+    cpu = _cpu_platform_class()()
+    platforms._current_platform = cpu
+    if resolved is not None:
+        # 0.24+ resolve the platform while ``import vllm`` runs (``vllm.env_override``):
+        # the modules that bound the unspecified one get the CPU platform too.
+        for module in list(sys.modules.values()):
+            if getattr(module, "current_platform", None) is resolved:
+                module.current_platform = cpu
 
 
 _torch_amx_probe_for_older_vllm()
