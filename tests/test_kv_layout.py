@@ -62,6 +62,22 @@ def test_nhd_attention_moves_whole_blocks_only():
         kv_layout.attention_regions("l", torch.zeros(2, 2, 16, 2, 64), spec, 0, 1, 2)
 
 
+def test_k_and_v_inside_each_token_move_as_whole_blocks():
+    """FLEX_ATTENTION on vLLM 0.23-0.25: logical (B, 2, N, H, D) stored as (B, N, 2, H, D),
+    so a block of K is not one run but the whole block is: one region per layer whose
+    single unsplittable unit is the block (K and V together); equal TP sizes only."""
+    dense = pd.dense_rank_kv_cache_config(1, 4)
+    spec = dense.kv_cache_groups[0].kv_cache_spec
+    physical = torch.zeros(4, 16, 2, 2, 64, dtype=torch.bfloat16)  # (B, N, 2, H, D)
+    cache = physical.permute(0, 2, 1, 3, 4)  # what the backend hands: (B, 2, N, H, D)
+    (region,) = kv_layout.attention_regions("l", cache, spec, 0, tp_size=1,
+                                            total_kv_heads=2, dims="B2NHD")
+    (section,) = region.sections
+    assert section.name.endswith("nhd_unsplittable") and section.units == 1
+    assert section.unit_bytes == region.block_bytes == 16 * 2 * 2 * 64 * 2
+    assert region.base == physical.data_ptr() and region.num_blocks == 4
+
+
 @pytest.mark.parametrize(("dims", "regions_sections"), [
     ("2BNHD", {"l.k": [("heads_nhd_unsplittable", 0, 1, 4096)],
                "l.v": [("heads_nhd_unsplittable", 0, 1, 4096)]}),

@@ -112,9 +112,12 @@ class Instance:
     # request id -> (num_computed_tokens, block ids per group) each time it was scheduled
     # as new
     scheduled_blocks: dict[str, list[Any]] = field(default_factory=dict)
+    # blocks vLLM (0.34+) told the workers to zero (SchedulerOutput.new_block_ids_to_zero)
+    zeroed: set[int] = field(default_factory=set)
 
     def step(self) -> None:
         out = self.scheduler.schedule()
+        self.zeroed.update(getattr(out, "new_block_ids_to_zero", None) or ())
         for new in out.scheduled_new_reqs:
             self.scheduled_blocks.setdefault(new.req_id, []).append(
                 (new.num_computed_tokens, [list(g) for g in new.block_ids]))

@@ -52,6 +52,7 @@ class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     prefer_cross_layer_blocks = False
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        refuse_sleep_mode(vllm_config)
         if _base_takes_kv_cache_config():
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         else:
@@ -61,6 +62,29 @@ class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     @property
     def kv_cache_config(self) -> Any:
         return getattr(self, "_kv_cache_config", None)
+
+    # -- vLLM 0.34's hooks (docs/vllm-hooks.md: the audit, a test per row) ---------------
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: object) -> int | None:
+        """REGISTERS | LEGACY_IPC: FlagCX registers the device KV cache with its RDMA
+        engine (one physical allocation per segment), and the same-host transport shares
+        it through ``cuIpcGetMemHandle``, which cannot export the driver-mapped
+        "extensible" KV cache 0.34 allocates by default; vLLM then allocates it the
+        classic way. The default (IN_PROCESS) would fail the first registration on GPU."""
+        return registered_and_ipc_shared()
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: object) -> bool:
+        """No (``refuse_sleep_mode`` says why)."""
+        return False
+
+    def get_loaded_kv_cache_group_ids(self, request: object) -> tuple[int, ...]:
+        """Every transfer group: a load writes the request's own blocks in all of them
+        (not a hash-addressed store). vLLM zeroes the blocks of the groups NOT named when
+        it allocates them; its default names only the prefix-cacheable ones."""
+        config = self.kv_cache_config
+        ids = getattr(config, "transfer_group_ids", None)
+        return tuple(ids) if ids is not None else tuple(range(len(config.kv_cache_groups)))
 
     # -- preemptions: set[str] (0.17/0.18) or metadata (0.19+) -------------------------
     def handle_preemptions(self, preempted: Any) -> None:
@@ -81,6 +105,30 @@ class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         raise NotImplementedError
+
+
+def registered_and_ipc_shared() -> int | None:
+    """``KVCacheAccess.REGISTERS | LEGACY_IPC`` of this vLLM (0.34+: the flag type lives
+    beside ``KVTransferConfig``), or None where the build has no such flags."""
+    import sys
+
+    config_cls = optional("KVTransferConfig")
+    module = sys.modules.get(getattr(config_cls, "__module__", ""), None)
+    flags = getattr(module, "KVCacheAccess", None)
+    return None if flags is None else flags.REGISTERS | flags.LEGACY_IPC  # an IntFlag
+
+
+def refuse_sleep_mode(vllm_config: object) -> None:
+    """Sleep mode frees the KV cache and maps it again at other addresses, while the
+    transports keep the addresses registered at start (CUDA IPC handles, RDMA
+    registrations, the peer's cached mappings): a transfer would then write memory
+    nobody registered. 0.34 asks the connector (``supports_sleep_mode``); older builds
+    do not, so the connector refuses it itself, the same on every build."""
+    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+        raise ValueError(
+            "FlagCXConnector does not support sleep mode (model_config.enable_sleep_mode="
+            "True): sleep mode moves the KV cache that the transports registered at start. "
+            "Start vLLM without --enable-sleep-mode, or use another connector for it.")
 
 
 def step_computes_nothing(scheduler_output: object) -> bool:

@@ -98,7 +98,8 @@ def _section_segments(s: Section, r: Section, pair: RankPair) -> list[tuple[int,
                 or pair.sender_tp != pair.receiver_tp):
         raise PlanError(f"section {s.name!r} (sender) vs {r.name!r} (receiver): an NHD "
                         "attention cache (heads inside each token: TRITON_ATTN, "
-                        "FLASHINFER's NHD order, vLLM 0.34's LBNHC/BLNHC) moves only whole "
+                        "FLASHINFER's NHD order, vLLM 0.34's LBNHC/BLNHC; or K and V inside "
+                        "each token: FLEX_ATTENTION on vLLM 0.23-0.25) moves only whole "
                         f"blocks between equal TP sizes (here {pair.sender_tp} -> "
                         f"{pair.receiver_tp}); use the same TP size on both, or an HND "
                         "layout (VLLM_KV_CACHE_LAYOUT=HND, or LBHNC on vLLM >= 0.34)")
