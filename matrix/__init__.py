@@ -114,3 +114,8 @@ def bench_settings() -> dict[str, Any]:
 def e2e_settings() -> dict[str, Any]:
     """The real-engine env: which build, which distribution, its requirements, its tests."""
     return dict(load()["e2e"])
+
+
+def e2e_newest_settings() -> dict[str, Any]:
+    """Real engines on the newest CPU build: its distribution, overlay, extra deps, tests."""
+    return dict(load()["e2e_newest"])

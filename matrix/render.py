@@ -14,7 +14,13 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from vllm_flagcx.matrix import bench_settings, builds, e2e_settings, tox_settings
+from vllm_flagcx.matrix import (
+    bench_settings,
+    builds,
+    e2e_newest_settings,
+    e2e_settings,
+    tox_settings,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 # Run in the env without vLLM (tox -e novllm): what must work with the [router] extras alone.
@@ -55,8 +61,10 @@ def render_tox() -> str:
         "    python matrix/ensure_base.py {work_dir}/shared-base",
         "    python -m pip install --quiet --disable-pip-version-check --no-deps -e . "
         "{env:VLLM_FLAGCX_INSTALL}",
+        "# The files novllm runs (no vLLM imported, the same on every build) are run there once.",
         "commands =",
-        f"    python -m pytest {settings['pytest_args']} {{posargs}}",
+        f"    python -m pytest {settings['pytest_args']} {{posargs:tests "
+        f"{' '.join(f'--ignore={t}' for t in NO_VLLM_TESTS)}}}",
         "",
     ]
     for build in builds():
@@ -85,6 +93,7 @@ def render_tox() -> str:
         *e2e_env, *e2e_install,
         f"commands = python -m pytest {settings['pytest_args']} {e2e['tests']} {{posargs}}",
         "",
+        *render_e2e_newest(),
         "[testenv:demo]",
         f"description = the main job: vllm-flagcx demo (prefill + decode + router, vLLM "
         f"{e2e_build.version} CPU build)",
@@ -165,6 +174,25 @@ def render_tox() -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def render_e2e_newest() -> list[str]:
+    """tox -e e2e-newest: real engines of the newest CPU build on the shared matrix base."""
+    newest = e2e_newest_settings()
+    return [
+        "[testenv:e2e-newest]",
+        f"description = real prefill + decode {newest['dist']} engines: PD == monolithic and "
+        "its negative control (not in .ci/run; result in benchmarks/results)",
+        "set_env =", "    {[testenv]set_env}", "    VLLM_FLAGCX_E2E = 1",
+        "    VLLM_FLAGCX_MATRIX_ENV = e2e-newest",
+        "commands_pre =",
+        "    python matrix/ensure_base.py {work_dir}/shared-base",
+        "    python -m pip install --quiet --disable-pip-version-check --no-deps -e . "
+        f"{' '.join([newest['dist'], *newest['overlay']])} -r {newest['requirements']}",
+        f"commands = python -m pytest {tox_settings()['pytest_args']} {newest['tests']} "
+        "{posargs}",
+        "",
+    ]
 
 
 def render_porting() -> str:
