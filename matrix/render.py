@@ -185,6 +185,7 @@ def render_e2e_newest() -> list[str]:
         "its negative control (not in .ci/run; result in benchmarks/results)",
         "set_env =", "    {[testenv]set_env}", "    VLLM_FLAGCX_E2E = 1",
         "    VLLM_FLAGCX_MATRIX_ENV = e2e-newest",
+        "    VLLM_FLAGCX_E2E_PEER_PYTHON = {work_dir}/e2e/bin/python",
         "commands_pre =",
         "    python matrix/ensure_base.py {work_dir}/shared-base",
         "    python -m pip install --quiet --disable-pip-version-check --no-deps -e . "
