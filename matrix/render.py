@@ -19,6 +19,7 @@ from vllm_flagcx.matrix import (
     builds,
     e2e_newest_settings,
     e2e_settings,
+    load,
     tox_settings,
 )
 
@@ -261,17 +262,20 @@ def render_sweep() -> list[str]:
     rows = read_rows()
     if not rows:
         return []
+    notes = load()["sweep"].get("notes", {})
     lines = ["## Sweep: every minor (`tox -e sweep`, matrix/sweep.json)", "",
              "Each minor's newest patch, installed as tox does, probed, and the focused suite",
              "run on vLLM's real Scheduler. *Changed* lists the capabilities whose probed",
              "value differs from the minor before it (the checklist above gives the values).",
-             "", "| vLLM | transformers | passed | failed | skipped | s | changed |",
+             "", "| vLLM | transformers | passed | failed or error | skipped | s | changed |",
              "|---|---|---:|---:|---:|---:|---|"]
     for row, changed in zip(rows, profile_changes(rows), strict=True):
         overlay = next((p.split("==")[1] for p in row.get("overlay", [])
                         if p.startswith("transformers==")), "?")
-        result = [str(row.get(k, 0)) for k in ("passed", "failed", "skipped")]
-        note = row.get("error") or ", ".join(f"`{k}`" for k in changed) or "-"
+        result = [str(row.get("passed", 0)), str(row.get("failed", 0) + row.get("errors", 0)),
+                  str(row.get("skipped", 0))]
+        note = "; ".join(x for x in (row.get("error"), notes.get(row["version"]),
+                                     ", ".join(f"`{k}`" for k in changed)) if x) or "-"
         lines.append(f"| {row['version']} | {overlay} | {' | '.join(result)} | "
                      f"{row['seconds']:.0f} | {note} |")
     return [*lines, ""]
