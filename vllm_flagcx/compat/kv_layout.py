@@ -97,17 +97,18 @@ def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int
         if int(k.shape[heads_dim]) != heads:
             raise R.RegionError(f"{name}: dimension {heads_dim} of K has {k.shape[heads_dim]}"
                                 f" entries, the spec {heads} KV heads (dims {dims})")
-        if kv_dim == 1 and not one_run(k[0]) and one_run(cache[0]):
-            # K and V alternate inside each token (FLEX_ATTENTION on 0.23-0.25: physical
-            # (B, N, 2, H, D)): a block is one run and moves whole, equal TP sizes only
-            block = cache[0]
-            return R.attention_packed_kv(
-                layer=name, group=group, kind=kind, base=block.data_ptr(),
-                block_stride=_nbytes_stride(cache, 0), num_blocks=int(cache.shape[0]),
-                heads=heads, global_heads=total_kv_heads,
-                head_bytes=int(block.numel() * block.element_size()) // heads,
-                interleaved=True)
-        _require_run(k[0], name, "one block of K")
+        if not one_run(k[0]):
+            if kv_dim == 1 and one_run(cache[0]):
+                # K and V alternate inside each token (FLEX_ATTENTION on 0.23-0.25: physical
+                # (B, N, 2, H, D)): a block is one run and moves whole, equal TP sizes only
+                block = cache[0]
+                return R.attention_packed_kv(
+                    layer=name, group=group, kind=kind, base=block.data_ptr(),
+                    block_stride=_nbytes_stride(cache, 0), num_blocks=int(cache.shape[0]),
+                    heads=heads, global_heads=total_kv_heads,
+                    head_bytes=int(block.numel() * block.element_size()) // heads,
+                    interleaved=True)
+            _require_run(k[0], name, "one block of K")  # raises, naming the layout
         hnd = k.stride(heads_dim) > k.stride(tokens_dim)
         head_bytes = (_nbytes_stride(k, heads_dim) if hnd
                       else int(k[0].numel() * k.element_size()) // heads)
