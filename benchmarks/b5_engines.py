@@ -7,8 +7,9 @@ mode; ``VLLM_FLAGCX_B5_EAGER=1`` is the ``--enforce-eager`` variant) behind the 
 Unloaded, per prompt size: PD's and the monolithic engine's time to the first and the
 second token, streamed, one request at a time. For 1k, 8k and 32k-token
 prompts (fresh random ids each repeat, so decode's prefix cache never serves one): the KV
-bytes and seconds decode's connector counted for the request (``vllm:flagcx_received_*``:
-side-channel round trip, the writes, the integrity check), against a device-to-device copy
+bytes and seconds decode's connector counted for the request
+(``vllm:flagcx_bytes_transferred_sum``, ``vllm:flagcx_pull_seconds_sum``: side-channel
+round trip, the writes, the integrity check), against a device-to-device copy
 of the same number of bytes in the same run. Then ``vllm bench serve`` (random dataset)
 through the router (PD, sequential and concurrent mode) and straight at the prefill engine
 (monolithic: a request without ``kv_transfer_params`` is plain vLLM there): TTFT and TPOT

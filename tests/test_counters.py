@@ -13,14 +13,14 @@ def test_increments_from_many_threads_are_never_lost():
 
     def count() -> None:
         for _ in range(5000):
-            counters.add(Stat.RECV_BYTES, 2)
+            counters.add(Stat.SEND_BYTES, 2)
 
     threads = [threading.Thread(target=count) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert counters["recv_bytes"] == 8 * 5000 * 2
+    assert counters["send_bytes"] == 8 * 5000 * 2
 
 
 def test_add_returns_the_running_total_and_unknown_names_read_as_zero():

@@ -67,10 +67,10 @@ def _wait_for_expiry(p, count: int, delay: float) -> None:
     loaded after all."""
     import time
 
-    before = sum(w.stats["expired_leases"] for w in p.workers)
+    before = sum(w.stats["num_kv_expired_reqs"] for w in p.workers)
     time.sleep(delay)
     deadline = time.monotonic() + 10
-    while sum(w.stats["expired_leases"] for w in p.workers) < before + count:
+    while sum(w.stats["num_kv_expired_reqs"] for w in p.workers) < before + count:
         assert time.monotonic() < deadline, "prefill never expired the leases"
         p.step()
         time.sleep(0.02)
@@ -154,7 +154,7 @@ def test_sliding_model_transfer_still_moves_the_window():
         records = pd.run_pd(p, d, PROMPTS)
         assert all(rec["d_req"] in pd.finished_ids(d) for rec in records.values())
         assert sum(sum(w.ledger.counts.values()) for w in d.workers) == 0
-        assert sum(w.stats["recv_bytes"] for w in d.workers) > 0
+        assert sum(w.observations.total("bytes_transferred")[1] for w in d.workers) > 0
     finally:
         p.shutdown()
         d.shutdown()

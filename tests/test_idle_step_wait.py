@@ -96,7 +96,7 @@ def test_a_step_that_computes_tokens_never_waits_and_zero_never_waits():
         pd.settle(p, d)
         assert rid in d.scheduled_blocks
         assert d.workers[0].stats.get("idle_step_waits", 0) == 0
-        assert d.workers[0].stats.get("recv_requests", 0) == 1
+        assert d.workers[0].observations.total("pull_seconds")[0] == 1
     finally:
         p.shutdown()
         d.shutdown()

@@ -174,7 +174,7 @@ def test_every_backend_familys_layout_moves_the_right_bytes(layout, p_tp, d_tp):
             assert sum("NHD" in e for e in errors) >= len(records), errors
             assert all("NHD" in e or "released by decode" in e for e in errors), errors
             assert_policy_outcome(d, records)
-            assert not any(w.stats.get("recv_bytes") for w in d.workers)
+            assert not any(w.observations.total("bytes_transferred")[1] for w in d.workers)
             return
         pd.assert_attention_bytes_moved(p, d, records)
         assert sum(sum(w.ledger.counts.values()) for w in d.workers) == 0
@@ -199,7 +199,7 @@ def test_prefill_and_decode_on_different_backend_families_fail_the_request_by_na
         assert_policy_outcome(d, records)
         errors = [e for w in d.workers for *_, e in w.ledger.recent]
         assert errors and "regions differ" in errors[0], errors
-        assert not d.workers[0].stats.get("recv_bytes")
+        assert not d.workers[0].observations.total("bytes_transferred")[1]
         pd.assert_idle(p)
         pd.assert_idle(d)
     finally:

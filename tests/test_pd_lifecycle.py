@@ -190,9 +190,9 @@ def test_every_fault_ends_every_request(name):
         if name == "silent_slice_loss":
             assert sum(w.stats["integrity_failures"] for w in d.workers) == len(records)
         if name in ("lease_expired", "prefill_unreachable"):
-            assert sum(w.stats["expired_leases"] for w in p.workers) == len(records)
+            assert sum(w.stats["num_kv_expired_reqs"] for w in p.workers) == len(records)
         else:  # D told P, which freed the blocks at once
-            assert sum(w.stats["expired_leases"] for w in p.workers) == 0
+            assert sum(w.stats["num_kv_expired_reqs"] for w in p.workers) == 0
     finally:
         p.shutdown()
         d.shutdown()
@@ -214,7 +214,7 @@ def test_decode_abort_before_kv_releases_prefill_blocks():
         pd.settle(p, d, timeout=10)
         pd.assert_idle(p)
         pd.assert_idle(d)
-        assert sum(w.stats["expired_leases"] for w in p.workers) == 0  # released, not expired
+        assert sum(w.stats["num_kv_expired_reqs"] for w in p.workers) == 0  # released, not expired
     finally:
         p.shutdown()
         d.shutdown()

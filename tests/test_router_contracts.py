@@ -69,7 +69,7 @@ def test_a_retried_prefill_leg_leaks_nothing():
         pd.assert_attention_bytes_moved(p, d, retried)
         pd.settle(p, d, timeout=5)
         pd.assert_idle(p)  # the lost leg's blocks too, by the first lease
-        assert sum(w.stats["expired_leases"] for w in p.workers) == 1
+        assert sum(w.stats["num_kv_expired_reqs"] for w in p.workers) == 1
     finally:
         p.shutdown()
         d.shutdown()

@@ -111,13 +111,13 @@ def test_pd_with_a_shared_secret_moves_kv_and_a_decode_without_it_recomputes(sec
     try:
         records = pd.run_pd(p, d, [37, 70])
         assert all(r["d_req"] in pd.finished_ids(d) for r in records.values())
-        assert d.workers[0].stats["recv_bytes"] > 0
+        assert d.workers[0].observations.total("bytes_transferred")[1] > 0
         assert sum(d.workers[0].ledger.counts.values()) == 0
         # A decode without the secret cannot pull: its request fails and is recomputed.
         records = pd.run_prefill(p, [37])
         pd.run_decode(p, stranger, records)
         assert next(iter(records.values()))["d_req"] in pd.finished_ids(stranger)
-        assert stranger.workers[0].stats.get("recv_bytes", 0) == 0
+        assert stranger.workers[0].observations.total("bytes_transferred")[1] == 0
         assert stranger.workers[0].ledger.counts["handshake"] == 1
         assert not pd.busy(p) and not pd.busy(d) and not pd.busy(stranger)
     finally:
@@ -154,7 +154,7 @@ def test_pull_naming_memory_outside_the_receivers_regions_writes_nothing():
     d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
     try:
         records = pd.run_pd(p, d, [37])  # pins decode's sheet at prefill
-        assert d.workers[0].stats["recv_bytes"] > 0
+        assert d.workers[0].observations.total("bytes_transferred")[1] > 0
         buf, address = _bystander()
         records = pd.run_prefill(p, [37])
         tid = next(iter(records))
@@ -272,7 +272,7 @@ def test_rogue_prefill_reply_fails_the_request_no_read(reply):
         assert sum(d.workers[0].ledger.counts.values()) == 1
         [(*_, error)] = d.workers[0].ledger.recent
         assert ROGUE_ERRORS[reply] in error, error
-        assert not d.workers[0].stats.get("recv_bytes")
+        assert not d.workers[0].observations.total("bytes_transferred")[1]
     finally:
         stop.set()
         thread.join(timeout=2)

@@ -76,7 +76,7 @@ def test_forged_pull_fields_are_refused_and_the_server_keeps_serving():
         pd.run_decode(p, d, records)  # the transfer was untouched: its decode pulls it
         assert rec["d_req"] in pd.finished_ids(d)
         assert sum(sum(w.ledger.counts.values()) for w in d.workers) == 0
-        assert d.workers[0].stats["recv_bytes"] > 0
+        assert d.workers[0].observations.total("bytes_transferred")[1] > 0
         assert not pd.busy(p) and not pd.busy(d)
     finally:
         p.shutdown()
@@ -115,7 +115,7 @@ def test_pulls_for_unknown_ids_are_capped_and_never_block_an_armed_transfer():
         records = pd.run_pd(p, d, prompts=[40])
         assert next(iter(records.values()))["d_req"] in pd.finished_ids(d)
         assert sum(d.workers[0].ledger.counts.values()) == 0
-        assert d.workers[0].stats["recv_bytes"] > 0
+        assert d.workers[0].observations.total("bytes_transferred")[1] > 0
         for sock in waiting:
             sock.close()
     finally:

@@ -147,3 +147,23 @@ def test_no_write_lands_after_decode_gave_its_blocks_back():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_release_prefill_never_confirms_is_a_failed_notification():
+    """A write hangs past decode's pull timeout and past ``release_hold_seconds``: decode
+    gives the blocks back unconfirmed, fails the request and counts NIXL's
+    ``num_failed_notifications`` (none before the request)."""
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", lease_seconds=0.4,
+                          faults=Faults(delay_seconds=2.5))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", recv_timeout=0.3,
+                          lease_seconds=0.4, release_hold_seconds=0.6)
+    try:
+        assert d.workers[0].stats["num_failed_notifications"] == 0
+        pd.run_pd(p, d, prompts=[33], max_tokens=1)
+        [(_, stage, _, error)] = d.workers[0].ledger.recent
+        assert stage == "recv" and "did not confirm" in error, error
+        assert d.workers[0].stats["num_failed_notifications"] == 1
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -94,8 +94,7 @@ def wait_idle(server: sv.Server, timeout: float = 20) -> None:
 
 
 def failures(server: sv.Server) -> float:
-    return (gauge(server, "vllm:flagcx_failures_handshake_total")
-            + gauge(server, "vllm:flagcx_failures_recv_total"))
+    return gauge(server, "vllm:flagcx_num_failed_transfers_total")
 
 
 def assert_pd_equals_monolithic(d: Deployment, router_url: str | None = None) -> None:

@@ -39,6 +39,42 @@ def pd(tmp_path_factory):
         yield d
 
 
+def test_every_dashboard_panel_shows_data_against_the_real_engines(pd):
+    """Both engines' /metrics scraped before and after PD requests through the router:
+    every panel of the project dashboard (vLLM's TTFT on prefill and on decode included)
+    and every NIXL PD panel pointed at flagcx shows data; unchanged, the NIXL panels show
+    none (the control). First in the module: the engines' first handshake falls between
+    its scrapes (the handshake panels draw only when one happened)."""
+    from testkit import dashboards, promql
+
+    def scrape() -> promql.Scrape:
+        series = {}
+        for server in (pd.prefill, pd.decode):
+            series.update(promql.parse_exposition(
+                sv.get_text(server.url + "/metrics"), instance=server.url.split("//")[1]))
+        return promql.Scrape(time.monotonic(), series)
+
+    def loads(s: promql.Scrape) -> float:
+        return sum(v for k, v in s.series.items()
+                   if ("__name__", "vllm:flagcx_pull_seconds_count") in k)
+
+    before = scrape()
+    for prompt in PROMPTS[:3]:
+        assert complete(pd.router.url, prompt, max_tokens=4).status_code == 200
+    deadline = time.monotonic() + 20
+    after = scrape()
+    while loads(after) < loads(before) + 3 and time.monotonic() < deadline:
+        time.sleep(0.5)  # the engines publish their connectors' stats per step
+        after = scrape()
+    port = lambda server: re.escape(server.url.rsplit(":", 1)[1])  # noqa: E731
+    ours = dashboards.project_panels(f".*:{port(pd.prefill)}", f".*:{port(pd.decode)}")
+    assert dashboards.without_data(ours, before, after) == []
+    nixl = dashboards.NIXL_PD_PANELS
+    pointed = {t: dashboards.pointed_at_flagcx(q) for t, q in nixl.items()}
+    assert dashboards.without_data(pointed, before, after) == []
+    assert sorted(dashboards.without_data(nixl, before, after)) == sorted(nixl)
+
+
 def test_pd_greedy_output_equals_monolithic_and_kv_moved(pd):
     assert_pd_equals_monolithic(pd)
 

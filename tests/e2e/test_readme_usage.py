@@ -71,7 +71,7 @@ def test_readme_usage_runs_as_written_and_pd_equals_prefills_answer(tmp_path):
             "temperature": 0}).json()["choices"][0]["text"]
         assert via_pd == mono
         deadline = time.monotonic() + 5
-        while demo_run.metric("http://127.0.0.1:8200", "vllm:flagcx_received_bytes_total") <= 0:
+        while demo_run.metric("http://127.0.0.1:8200", "vllm:flagcx_bytes_transferred_sum") <= 0:
             assert time.monotonic() < deadline, "no KV bytes arrived at decode"
             time.sleep(0.2)
     finally:

@@ -131,11 +131,11 @@ def test_the_connector_was_found_by_name_alone(pd):
 
 def test_pd_under_vllm_router_equals_monolithic_with_the_kv_moved(pd, capsys):
     before = local_prompt_tokens(pd.decode)
-    pulls_before = gauge(pd.decode, "vllm:flagcx_transfer_seconds_count")
+    pulls_before = gauge(pd.decode, "vllm:flagcx_pull_seconds_count")
     assert_pd_equals_monolithic(pd, pd.external.url)
     computed = local_prompt_tokens(pd.decode) - before
     # the dashboard's families, from the engines: one transfer-time sample per request
-    assert gauge(pd.decode, "vllm:flagcx_transfer_seconds_count") - pulls_before \
+    assert gauge(pd.decode, "vllm:flagcx_pull_seconds_count") - pulls_before \
         == len(PROMPTS)
     assert "vllm:flagcx_pending_sends{" in sv.get_text(pd.prefill.url + "/metrics")
     # decode computes at most the last prompt token of each request (the connector loads
@@ -224,7 +224,7 @@ def test_a_decode_leg_decode_refuses_releases_prefill_at_once(pd, capsys):
     sends prefill a Release, and prefill frees the blocks at once: no lease expires."""
     settings = ConnectorSettings()
     prompts_before = gauge(pd.prefill, "vllm:prompt_tokens_total")
-    expired_before = gauge(pd.prefill, "vllm:flagcx_expired_leases_total")
+    expired_before = gauge(pd.prefill, "vllm:flagcx_num_kv_expired_reqs_total")
     started = time.monotonic()
     r = httpx.post(pd.external.url + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": PROMPTS[1], "max_tokens": 5000, "temperature": 0})
@@ -235,7 +235,7 @@ def test_a_decode_leg_decode_refuses_releases_prefill_at_once(pd, capsys):
     with capsys.disabled():
         print(f"\ndecode refused the leg under vllm-router: prefill idle after {took:.1f} s "
               f"(first lease {settings.first_lease_seconds:g} s)")
-    assert gauge(pd.prefill, "vllm:flagcx_expired_leases_total") == expired_before
+    assert gauge(pd.prefill, "vllm:flagcx_num_kv_expired_reqs_total") == expired_before
 
 
 def test_a_decode_leg_that_never_comes_frees_prefill_at_the_first_lease(pd, capsys):
@@ -244,7 +244,7 @@ def test_a_decode_leg_that_never_comes_frees_prefill_at_the_first_lease(pd, caps
     blocks until ``first_lease_seconds`` and frees them by lease expiry (its own counter),
     not later (the full ``lease_seconds`` only starts at decode's first word)."""
     settings = ConnectorSettings()
-    expired_before = gauge(pd.prefill, "vllm:flagcx_expired_leases_total")
+    expired_before = gauge(pd.prefill, "vllm:flagcx_num_kv_expired_reqs_total")
     started = time.monotonic()
     r = httpx.post(pd.prefill.url + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": PROMPTS[1], "max_tokens": 1, "min_tokens": 1,
@@ -267,7 +267,7 @@ def test_a_decode_leg_that_never_comes_frees_prefill_at_the_first_lease(pd, caps
     # counter is read after the blocks are seen free, never before (a read in between
     # would race the step that frees them)
     counted_by = time.monotonic() + 5
-    while gauge(pd.prefill, "vllm:flagcx_expired_leases_total") <= expired_before:
+    while gauge(pd.prefill, "vllm:flagcx_num_kv_expired_reqs_total") <= expired_before:
         assert time.monotonic() < counted_by, "prefill freed the blocks with no lease expiry"
         time.sleep(0.2)
     with capsys.disabled():

@@ -152,11 +152,17 @@ def block_hasher(block_size: int) -> Any:
     return get_request_block_hasher(block_size, sha256_cbor)
 
 
+def prompt_ids(num_tokens: int) -> list[int]:
+    """The default prompt: requests of any length share it as a prefix."""
+    return [(i % 400) + 3 for i in range(num_tokens)]
+
+
 def make_request(num_tokens: int, *, max_tokens: int = 4,
                  kv_transfer_params: dict | None = None, hasher: Any = None,
-                 request_id: str | None = None) -> Any:
+                 request_id: str | None = None, prompt: list[int] | None = None) -> Any:
     """A real v1 Request with ``num_tokens`` prompt tokens and greedy sampling
-    (``request_id``: a given id, as a router's ``X-Request-Id`` header makes it)."""
+    (``request_id``: a given id, as a router's ``X-Request-Id`` header makes it;
+    ``prompt``: these token ids instead of the default sequence ``prompt_ids(n)``)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -164,7 +170,7 @@ def make_request(num_tokens: int, *, max_tokens: int = 4,
     if kv_transfer_params is not None:
         params.extra_args = {"kv_transfer_params": kv_transfer_params}
     request_id = request_id or f"req-{next(_request_ids)}"
-    prompt = [(i % 400) + 3 for i in range(num_tokens)]
+    prompt = prompt or prompt_ids(num_tokens)
     request = Request(**_kwargs_for(
         Request, request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
         pooling_params=None, eos_token_id=2, arrival_time=0.0, block_hasher=hasher))

@@ -326,8 +326,9 @@ class FlagCXConnector(PortableConnectorBase):
         if self.worker is None:
             return None
         delta = self.worker.take_stats()
-        for stage, count in self.worker.ledger.take_counts().items():
-            delta[f"failures_{stage}"] = count
+        failed = sum(self.worker.ledger.take_counts().values())
+        if failed:
+            delta["num_failed_transfers"] = failed
         stats = SummedConnectorStats(delta)
         return None if stats.is_empty() else stats
 

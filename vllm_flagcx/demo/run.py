@@ -67,8 +67,8 @@ def metric(url: str, name: str) -> float:
 
 def received(decode: sv.Server) -> tuple[float, float]:
     """Decode's KV counters (they advance with decode's steps, which a request drives)."""
-    return (metric(decode.url, "vllm:flagcx_received_bytes_total"),
-            metric(decode.url, "vllm:flagcx_receive_seconds_total"))
+    return (metric(decode.url, "vllm:flagcx_bytes_transferred_sum"),
+            metric(decode.url, "vllm:flagcx_pull_seconds_sum"))
 
 
 def completion(url: str, prompt: str, max_tokens: int) -> tuple[str, int]:

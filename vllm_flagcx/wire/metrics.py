@@ -1,11 +1,15 @@
 """The Prometheus families FlagCXConnector exports: one catalog, the contract a PD dashboard
 reads over HTTP (``/metrics`` of each vLLM server).
 
-Semantics follow vLLM's NixlConnector (``vllm:nixl_*``) so a dashboard built for NIXL
-maps one to one (``NIXL_EQUIVALENT``): transfer time, bytes and descriptors are histograms
-observed **once per request on decode** (the side that waits), from the first pull message
-to the last prefill rank's reply, integrity check included; failures and expired leases
-are counters; what is held or in flight now is a gauge.
+Where a family means what one of vLLM's NixlConnector families means, it has NIXL's name
+with ``flagcx`` for ``nixl`` (``NIXL_FAMILIES``), NIXL's kind and buckets, so a dashboard
+built for NIXL works after that one substitution: ``xfer_time_seconds`` is the data
+movement only (one prefill rank's write of one pull, timed on prefill), ``post_time_seconds``
+the rest of that transfer (the pull's round trip and prefill's queue), bytes and
+descriptors per transfer, all observed on decode (the side that waits, as NIXL's pull
+mode); failures counted as NIXL counts them. What NIXL has no word for keeps its own name
+(``pull_seconds``: what decode waits per request; the side-channel and integrity counters).
+No two families count the same thing.
 
 How a value travels: each worker reports, per engine step, the counters that grew, the
 samples it observed (bounded per step) and its gauges; vLLM aggregates the workers of an
@@ -30,6 +34,7 @@ class Kind(enum.Enum):
 # same quantile queries mean the same thing.
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0,
                    5.0)
+XFER_BUCKETS = SECONDS_BUCKETS[1:]  # NIXL's transfer time starts at 5 ms
 BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))  # 2 KiB .. 8 GiB
 DESCRIPTOR_BUCKETS = (10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 400.0, 1000.0, 2000.0,
                       4000.0, 10000.0, 20000.0, 50000.0)
@@ -46,10 +51,9 @@ class Stat(str, enum.Enum):
     SEND_DESCRIPTORS = "send_descriptors"
     SEND_SECONDS = "send_seconds"
     SEND_FAILURES = "send_failures"
-    RECV_REQUESTS = "recv_requests"
-    RECV_BYTES = "recv_bytes"
-    RECV_SECONDS = "recv_seconds"
-    EXPIRED_LEASES = "expired_leases"
+    FAILED_NOTIFICATIONS = "num_failed_notifications"
+    EXPIRED_LEASES = "num_kv_expired_reqs"
+    NOTIFICATIONS_AFTER_EXPIRY = "num_notifications_after_expiry"
     LEASE_RENEWALS = "lease_renewals"
     RELEASE_RETRIES = "release_retries"
     INTEGRITY_FAILURES = "integrity_failures"
@@ -87,14 +91,20 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("transfer_seconds", "vllm:flagcx_transfer_seconds", Kind.HISTOGRAM,
-           "Seconds from decode's first pull message to the KV landed and checked, per "
-           "request", "decode", SECONDS_BUCKETS),
-    Family("transfer_bytes", "vllm:flagcx_transfer_bytes", Kind.HISTOGRAM,
-           "Bytes of KV moved per request", "decode", BYTES_BUCKETS),
-    Family("transfer_descriptors", "vllm:flagcx_transfer_descriptors", Kind.HISTOGRAM,
-           "Descriptors (contiguous runs) written per request", "decode",
+    Family("xfer_time", "vllm:flagcx_xfer_time_seconds", Kind.HISTOGRAM,
+           "Seconds of one transfer's data movement (one prefill rank's write for one "
+           "pull, timed on prefill)", "decode", XFER_BUCKETS),
+    Family("post_time", "vllm:flagcx_post_time_seconds", Kind.HISTOGRAM,
+           "Seconds of one transfer outside its data movement and check: the pull "
+           "message's round trip and prefill's queue", "decode", SECONDS_BUCKETS),
+    Family("bytes_transferred", "vllm:flagcx_bytes_transferred", Kind.HISTOGRAM,
+           "Bytes of KV moved per transfer", "decode", BYTES_BUCKETS),
+    Family("num_descriptors", "vllm:flagcx_num_descriptors", Kind.HISTOGRAM,
+           "Descriptors (contiguous runs) written per transfer", "decode",
            DESCRIPTOR_BUCKETS),
+    Family("pull_seconds", "vllm:flagcx_pull_seconds", Kind.HISTOGRAM,
+           "Seconds decode waited per request, from its first pull message to the KV "
+           "landed and checked (every prefill rank)", "decode", SECONDS_BUCKETS),
     Family("handshake_seconds", "vllm:flagcx_handshake_seconds", Kind.HISTOGRAM,
            "Seconds of a handshake with a prefill instance (first contact, or its facts "
            "expired)", "decode", SECONDS_BUCKETS),
@@ -109,19 +119,17 @@ FAMILIES: tuple[Family, ...] = (
            "Descriptors in FlagCX writes", "prefill"),
     Family("send_seconds", "vllm:flagcx_send_seconds", Kind.COUNTER,
            "Seconds spent in FlagCX writes", "prefill"),
-    Family("recv_requests", "vllm:flagcx_received_requests", Kind.COUNTER,
-           "Requests whose KV arrived", "decode"),
-    Family("recv_bytes", "vllm:flagcx_received_bytes", Kind.COUNTER,
-           "Bytes of KV that arrived at decode", "decode"),
-    Family("recv_seconds", "vllm:flagcx_receive_seconds", Kind.COUNTER,
-           "Seconds decode waited for KV to land", "decode"),
-    Family("expired_leases", "vllm:flagcx_expired_leases", Kind.COUNTER,
-           "Prefill leases that expired unpulled (the blocks were freed)", "prefill"),
-    Family("failures_handshake", "vllm:flagcx_failures_handshake", Kind.COUNTER,
-           "Requests failed in the handshake stage", "decode"),
-    Family("failures_recv", "vllm:flagcx_failures_recv", Kind.COUNTER,
-           "Requests whose KV did not arrive whole (vLLM recomputes or fails them)",
-           "decode"),
+    Family("num_failed_transfers", "vllm:flagcx_num_failed_transfers", Kind.COUNTER,
+           "Requests whose KV did not arrive whole, at any stage (handshake, pull, "
+           "check): vLLM recomputes or fails them", "decode"),
+    Family("num_failed_notifications", "vllm:flagcx_num_failed_notifications",
+           Kind.COUNTER, "Release messages prefill never confirmed (decode gave the blocks "
+           "back after release_hold_seconds)", "decode"),
+    Family("num_kv_expired_reqs", "vllm:flagcx_num_kv_expired_reqs", Kind.COUNTER,
+           "Requests whose KV prefill freed unpulled when their lease expired", "prefill"),
+    Family("num_notifications_after_expiry", "vllm:flagcx_num_notifications_after_expiry",
+           Kind.COUNTER, "Pulls and releases that reached prefill after the transfer's "
+           "lease expired (decode was too late: its blocks were freed)", "prefill"),
     Family("release_retries", "vllm:flagcx_release_retries", Kind.COUNTER,
            "Release messages to prefill that had to be sent again", "decode"),
     Family("integrity_failures", "vllm:flagcx_integrity_failures", Kind.COUNTER,
@@ -164,15 +172,12 @@ BY_KEY = {f.key: f for f in FAMILIES}
 GAUGE_KEYS = frozenset(f.key for f in FAMILIES if f.kind is Kind.GAUGE)
 HISTOGRAM_KEYS = frozenset(f.key for f in FAMILIES if f.kind is Kind.HISTOGRAM)
 
-# The NIXL family a dashboard built for vLLM's NixlConnector reads -> ours.
-NIXL_EQUIVALENT = {
-    "vllm:nixl_xfer_time_seconds": "vllm:flagcx_transfer_seconds",
-    "vllm:nixl_bytes_transferred": "vllm:flagcx_transfer_bytes",
-    "vllm:nixl_num_descriptors": "vllm:flagcx_transfer_descriptors",
-    "vllm:nixl_num_failed_transfers": "vllm:flagcx_failures_recv",
-    "vllm:nixl_num_failed_notifications": "vllm:flagcx_release_retries",
-    "vllm:nixl_num_kv_expired_reqs": "vllm:flagcx_expired_leases",
-}
+# vLLM's NixlConnector families (vLLM 0.34, ``kv_connector/v1/nixl/stats.py``) that exist
+# here as ``vllm:flagcx_<suffix>`` with the same meaning and kind: a NIXL dashboard works
+# after replacing ``vllm:nixl_`` with ``vllm:flagcx_``.
+NIXL_FAMILIES = ("xfer_time_seconds", "post_time_seconds", "bytes_transferred",
+                 "num_descriptors", "num_failed_transfers", "num_failed_notifications",
+                 "num_kv_expired_reqs", "num_notifications_after_expiry")
 
 
 def merge(into: dict[str, object], other: dict[str, object]) -> dict[str, object]:

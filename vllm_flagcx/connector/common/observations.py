@@ -2,7 +2,8 @@
 between two of vLLM's stats calls.
 
 Samples are kept per histogram key up to ``MAX_SAMPLES_PER_REPORT`` per step (a burst
-cannot grow memory without bound; the counters still count every request). A gauge is
+cannot grow memory without bound); the running count and sum per key (Prometheus'
+``_count`` and ``_sum``, read by ``total``) take every observation. A gauge is
 reported while it is non-zero and once more when it drops to zero, so an idle engine
 sends nothing and a drained one does not keep showing its last busy value.
 
@@ -22,6 +23,7 @@ class Observations:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._samples: dict[str, list[float]] = defaultdict(list)
+        self._totals: dict[str, tuple[int, float]] = {}
         self._reported_nonzero: set[str] = set()
         self._pulls_in_flight = 0
 
@@ -29,9 +31,16 @@ class Observations:
         if key not in metrics.HISTOGRAM_KEYS:
             raise KeyError(f"{key!r} is not a histogram of wire.metrics.FAMILIES")
         with self._lock:
+            count, total = self._totals.get(key, (0, 0.0))
+            self._totals[key] = (count + 1, total + value)
             samples = self._samples[key]
             if len(samples) < metrics.MAX_SAMPLES_PER_REPORT:
                 samples.append(float(value))
+
+    def total(self, key: str) -> tuple[int, float]:
+        """(observations, their sum) of histogram ``key`` since the worker started."""
+        with self._lock:
+            return self._totals.get(key, (0, 0.0))
 
     def pull_started(self) -> None:
         with self._lock:

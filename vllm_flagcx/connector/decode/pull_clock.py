@@ -33,18 +33,20 @@ class PullClock:
     digest: float = 0.0  # of the verification: this side's digests and their comparison
     prefill_timings_dropped: int = 0
 
-    def add_prefill(self, timings: Sequence[float]) -> None:
+    def add_prefill(self, timings: Sequence[float]) -> bool:
         """Add one prefill rank's (queued, write, sample[, of which the digest]) seconds; a
-        prefill of the first protocol-2 releases sends three."""
+        prefill of the first protocol-2 releases sends three. False when they were
+        dropped (not seconds)."""
         if len(timings) not in (3, 4) or not all(
                 isinstance(t, float) and math.isfinite(t) and 0.0 <= t <= _MAX_SECONDS
                 for t in timings):
             self.prefill_timings_dropped += 1
-            return
+            return False
         self.p_queued += timings[0]
         self.p_write += timings[1]
         self.p_sample += timings[2]
         self.p_digest += timings[3] if len(timings) == 4 else 0.0
+        return True
 
     def line(self, request_id: str, reported: float) -> str:
         return timeline.format_line("decode", self.transfer_id, {

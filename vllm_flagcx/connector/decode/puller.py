@@ -165,13 +165,14 @@ class Puller:
         request = hs.PullRequest(remote.transfer_id, reg.sheet,
                                  tuple(tuple(g) for g in task.block_ids),
                                  tuple(task.offsets))
-        total = descriptors = 0
+        total = 0
         for p_rank in senders:
             asked = time.monotonic()
             try:
                 reply = self._ask(remote.remote_host, remote.remote_port + p_rank, request,
                                   self._settings.recv_timeout)
-                clock.asking += time.monotonic() - asked
+                waited = time.monotonic() - asked
+                clock.asking += waited
             except (TimeoutError, OSError, hs.HandshakeError) as exc:
                 self._fail_after_release(task, flat, f"P rank {p_rank}: {exc}")
                 return
@@ -187,9 +188,9 @@ class Puller:
             if problem is not None:
                 self._fail_after_release(task, flat, problem)
                 return
-            clock.add_prefill(reply.timings)
+            if clock.add_prefill(reply.timings) and reply.num_bytes:
+                self._observe_transfer(reply, waited)
             total += reply.num_bytes
-            descriptors += reply.num_descriptors
         if total <= 0 < len(flat):
             # every rank "succeeded" and nothing moved: the blocks hold whatever they held
             self._fail_after_release(task, flat, f"{len(senders)} prefill rank(s) answered "
@@ -200,15 +201,19 @@ class Puller:
                 list(reg.regions), task.block_ids,
                 fault_knobs.memory_filler(self._settings.host_memory))
         clock.verified = time.monotonic()
-        took = clock.verified - started
-        self._observations.observe("transfer_seconds", took)
-        self._observations.observe("transfer_bytes", total)
-        self._observations.observe("transfer_descriptors", descriptors)
-        self._counters.add(Stat.RECV_BYTES, total)
-        self._counters.add(Stat.RECV_SECONDS, took)
-        self._counters.add(Stat.RECV_REQUESTS)
+        self._observations.observe("pull_seconds", clock.verified - started)
         with self._lock:
             self._finished[task.request_id] = clock
+
+    def _observe_transfer(self, reply: hs.PullReply, waited: float) -> None:
+        """One prefill rank's write as NIXL observes a transfer (``wire.metrics``): its
+        data movement (prefill's write), the rest of the wait (round trip and queue,
+        this side's checks excluded), bytes and descriptors."""
+        write, sample = reply.timings[1], reply.timings[2]
+        self._observations.observe("xfer_time", write)
+        self._observations.observe("post_time", max(0.0, waited - write - sample))
+        self._observations.observe("bytes_transferred", reply.num_bytes)
+        self._observations.observe("num_descriptors", reply.num_descriptors)
 
     def _prefill_sheet(self, task: RecvTask, flat: list[int]) -> hs.FactSheet | None:
         """The fact sheet of the prefill ``task`` names, checked against this worker's; None
@@ -316,6 +321,7 @@ class Puller:
             confirmed = self._release(task.remote.transfer_id, task.remote,
                                       min(self._settings.lease_seconds, left))
         if not confirmed:
+            self._counters.add(Stat.FAILED_NOTIFICATIONS)
             error += (f"; prefill did not confirm within release_hold_seconds="
                       f"{self._settings.release_hold_seconds:g} that no write is in flight")
             logger.error("FlagCX: %s: blocks of request %s go back to vLLM unconfirmed: %s",

@@ -45,6 +45,9 @@ class Send:
     release_waiters: list[bytes] = field(default_factory=list)  # Releases to ack after
 
 
+LEASE_EXPIRED = "its lease expired"  # why a transfer ended, told to a late pull
+
+
 class Claim(enum.Enum):
     """What a parked pull may do now."""
 
@@ -169,8 +172,14 @@ class Sends:
             expired = [tid for tid, s in self._armed.items()
                        if s.task.deadline < now and not s.writes]
             for tid in expired:
-                self._end_locked(tid, "its lease expired")
+                self._end_locked(tid, LEASE_EXPIRED)
         return len(expired)
+
+    def expired(self, transfer_id: str) -> bool:
+        """Whether ``transfer_id`` ended here because its lease expired (remembered for
+        the last ``MAX_ENDED_REMEMBERED`` transfers)."""
+        with self._lock:
+            return self._ended.get(transfer_id) == LEASE_EXPIRED
 
     def take_done(self) -> set[str]:
         """Request ids whose transfer ended since the last call (vLLM frees their blocks)."""

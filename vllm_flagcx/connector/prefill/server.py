@@ -39,7 +39,7 @@ from vllm_flagcx.connector.prefill.gate import Gate, Refused
 from vllm_flagcx.connector.prefill.parked import ParkedPull, ParkedPulls
 from vllm_flagcx.connector.prefill.peer_credentials import PeerCred, target_refusal
 from vllm_flagcx.connector.prefill.receivers import pull_problem
-from vllm_flagcx.connector.prefill.sends import Claim, Send, Sends
+from vllm_flagcx.connector.prefill.sends import LEASE_EXPIRED, Claim, Send, Sends
 from vllm_flagcx.connector.prefill.sockets import UNIX, Listeners, route, routed_role
 from vllm_flagcx.connector.prefill.writes import SideChannelWrites
 from vllm_flagcx.transport.base import Transport
@@ -227,6 +227,8 @@ class SideChannelServer:
             self._counters.add(Stat.LEASE_RENEWALS, renewed)
             return hs.Ack(",".join(message.transfer_ids)[:256])
         if isinstance(message, hs.Release):  # acknowledged once no write is in flight
+            if self._sends.expired(message.transfer_id):
+                self._counters.add(Stat.NOTIFICATIONS_AFTER_EXPIRY)
             if not self._sends.release(message.transfer_id, ident):
                 return None
             return hs.Ack(message.transfer_id)
@@ -290,6 +292,8 @@ class SideChannelServer:
         if claim is Claim.REFUSED:
             return hs.PullReply(pull.transfer_id, False, str(what))
         if claim is Claim.ENDED:
+            if what == LEASE_EXPIRED:
+                self._counters.add(Stat.NOTIFICATIONS_AFTER_EXPIRY)
             return hs.PullReply(pull.transfer_id, False, f"transfer ended here: {what}")
         return Pending.WAIT
 
