@@ -16,6 +16,7 @@ from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 
 from vllm_flagcx.compat.probe import FEATURES_BY_KEY
+from vllm_flagcx.wire.params import prefill_leg_params
 
 pytestmark = pytest.mark.skipif(
     FEATURES_BY_KEY["hybrid_async_load"].probe() == "single_group",
@@ -280,8 +281,7 @@ def test_prefill_gone_after_prefill_fails_the_pull_at_once_not_after_the_timeout
 
 
 def _seeded(i: int) -> dict:
-    return {"do_remote_decode": True, "transfer_id": f"seeded-{i}-{time.monotonic_ns()}",
-            "first_token_seeded": True}
+    return prefill_leg_params(f"seeded-{i}-{time.monotonic_ns()}", seeded=True)
 
 
 @pytest.mark.parametrize("n", [32, 33])  # the seed lands in a new block / inside one

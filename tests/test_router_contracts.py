@@ -97,6 +97,32 @@ def test_the_concurrent_contract_is_refused_by_name_and_computed_locally():
         d.shutdown()
 
 
+def test_a_mooncake_prefill_leg_is_freed_at_once_and_names_the_mode():
+    """vllm-router's Mooncake mode mints the transfer id for prefill (3 keys, no mark of
+    ours); its decode leg will be refused, so prefill holds nothing (before: the KV stayed
+    pinned for the first lease) and its answer names the mode and the fix. Our router's
+    leg with a minted id is held as before (the control)."""
+    mooncake = {"do_remote_decode": True, "do_remote_prefill": False,
+                "transfer_id": "xfer-router-1"}
+    p = pd.build_instance("kv_producer", 1, pd.free_port(), model="dense",
+                          extra={"first_lease_seconds": 30.0})
+    try:
+        [rec] = pd.run_prefill(p, [40], prefill_params=lambda i: dict(mooncake)).values()
+        assert "remote_host" not in rec["params"]  # nothing to pull
+        assert "Mooncake" in rec["params"][wire_params.NOT_HELD]
+        assert "--kv-connector nixl" in rec["params"][wire_params.NOT_HELD]
+        for _ in range(3):
+            p.step()
+        pd.assert_idle(p)  # freed at once, not after the 30 s first lease
+        assert p.scheduler.connector.scheduler.rejected_params == 1
+        held = pd.run_prefill(p, [40], prefill_params=lambda i: wire_params.prefill_leg_params(
+            "xfer-ours-1"))
+        assert next(iter(held.values()))["params"]["remote_host"] == "127.0.0.1"
+        assert p.scheduler.connector.scheduler.num_held == 1
+    finally:
+        p.shutdown()
+
+
 def test_decode_reads_the_users_kv_transfer_params_and_never_changes_them():
     """Loaded or refused, the request's params are as the client sent them (before:
     decode wrote do_remote_prefill=False into them); a non-object is dropped (None), since

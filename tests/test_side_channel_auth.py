@@ -22,6 +22,7 @@ from vllm_flagcx.connector.common import integrity
 from vllm_flagcx.layout import bounds, plans
 from vllm_flagcx.wire import auth, client
 from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.params import prefill_leg_params
 
 SECRET = "correct horse battery staple 42"
 
@@ -285,8 +286,8 @@ def test_second_request_under_a_held_transfer_id_is_not_offered():
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense")
     try:
-        reqs = [harness.make_request(37, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True, "transfer_id": "same-id"}) for _ in range(2)]
+        reqs = [harness.make_request(37, max_tokens=1, kv_transfer_params=
+            prefill_leg_params("same-id")) for _ in range(2)]
         for req in reqs:
             p.scheduler.add_request(req)
         for _ in range(20):

@@ -17,6 +17,7 @@ from testkit import vllm_harness as harness
 from testkit.pd_caches import KV_HEADS
 from testkit.pd_instances import Instance, build_instance
 from vllm_flagcx.layout.topology import head_range
+from vllm_flagcx.wire.params import prefill_leg_params
 
 
 def step_prefill(p: Instance, steps: int = 3) -> None:
@@ -36,7 +37,7 @@ def run_prefill(p: Instance, prompts: list[int], timeout: float = 30.0,
     records = {}
     for i, n in enumerate(prompts):
         params = (prefill_params(i) if prefill_params is not None else
-                  {"do_remote_decode": True, "transfer_id": f"xfer-{i}-{time.monotonic_ns()}"})
+                  prefill_leg_params(f"xfer-{i}-{time.monotonic_ns()}"))
         req = harness.make_request(n, max_tokens=1, kv_transfer_params=params,
                                    request_id=request_id(i) if request_id else None)
         p.scheduler.add_request(req)

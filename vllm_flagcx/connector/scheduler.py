@@ -252,6 +252,12 @@ class SchedulerHalf:
             return False, wire_params.not_loaded_params(refused)
         if not wire_params.wants_remote_decode(params) or not self._finished_by_length(request):
             return False, None
+        if wire_params.is_bootstrap_leg(params):
+            self.rejected_params += 1
+            logger.warning("FlagCX: request %s: %s", request.request_id,
+                           wire_params.BOOTSTRAP_LEG_REFUSAL)
+            return False, {"transfer_id": params["transfer_id"],
+                           wire_params.NOT_HELD: wire_params.BOOTSTRAP_LEG_REFUSAL}
         ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]
         transfer_id = str(params.get("transfer_id") or request.request_id)
         if transfer_id in self._held_ids:

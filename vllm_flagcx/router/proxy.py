@@ -1,7 +1,8 @@
 """The two legs of one disaggregated request, and what happens when either fails.
 
 Sequential (default): prefill gets the request with ``max_tokens=1`` and
-``kv_transfer_params={"do_remote_decode": true, "transfer_id": <minted here>}``; what it
+``kv_transfer_params={"do_remote_decode": true, "transfer_id": <minted here>, "flagcx_leg":
+true}`` (``wire.params.prefill_leg_params``); what it
 returns in ``kv_transfer_params`` (host, exact side-channel port, TP size, engine id) goes
 unchanged to decode with the client's original request. Where ``first_token.applies``,
 prefill's token goes to the client at once and decode continues from prompt + [t1].

@@ -122,6 +122,27 @@ FIRST_TOKEN_SEEDED = "first_token_seeded"
 NOT_LOADED = "flagcx_not_loaded"
 
 
+# router -> prefill: this prefill leg is this project's router's (it mints the transfer
+# id and forwards prefill's answer to decode). A leg that mints a transfer id without it
+# is the Mooncake-style contract (vllm-router --kv-connector mooncake, llm-d mooncake,
+# Dynamo's Mooncake protocol): its decode leg is refused (CONCURRENT_REFUSAL), so prefill
+# frees the KV at once instead of holding it for a pull that cannot come
+OUR_LEG = "flagcx_leg"
+# prefill -> the router: why prefill did not hold this request's KV
+NOT_HELD = "flagcx_not_held"
+BOOTSTRAP_LEG_REFUSAL = (
+    "kv_transfer_params.transfer_id minted by the router without flagcx_leg: the "
+    "Mooncake-style contract, whose decode leg FlagCXConnector refuses; prefill freed this "
+    "request's KV at once. Run the router in its NIXL (serial) mode: vllm-router "
+    "--kv-connector nixl (its default), llm-d --kv-connector=nixlv2, or vllm-flagcx router")
+
+
+def is_bootstrap_leg(params: Mapping[str, Any]) -> bool:
+    """A prefill leg of the Mooncake-style contract (see ``OUR_LEG``): NIXL-mode routers
+    send no transfer id, ours marks its legs."""
+    return params.get("transfer_id") is not None and params.get(OUR_LEG) is not True
+
+
 def not_loaded_params(reason: str) -> dict[str, object]:
     """What decode returns for a request it computed locally because its params were
     refused: ``reason`` names the field and the fix (bounded: it crosses to the client)."""
@@ -144,7 +165,7 @@ def prefill_leg_params(transfer_id: str, seeded: bool = False) -> dict[str, obje
     """What the router sends prefill: hold the KV under ``transfer_id``; ``seeded``:
     decode continues from prefill's first token (``FIRST_TOKEN_SEEDED``)."""
     out: dict[str, object] = {REMOTE_DECODE: True, REMOTE_PREFILL: False,
-                              "transfer_id": transfer_id}
+                              "transfer_id": transfer_id, OUR_LEG: True}
     if seeded:
         out[FIRST_TOKEN_SEEDED] = True
     return out
