@@ -153,7 +153,8 @@ def render_tox() -> str:
         "",
         "[testenv:lint]",
         "description = ruff over the package, matrix, tests, benchmarks and examples; mypy "
-        "over the whole vllm_flagcx package (every function typed); every file's "
+        "over the whole vllm_flagcx package (every function typed), request and transfer ids "
+        "never swapped (.ci/id_swaps.py); every file's "
         "maintainability index "
         f">= {settings['mi_floor']} (radon)",
         "env_dir = {work_dir}/lint",
@@ -172,6 +173,7 @@ def render_tox() -> str:
         "--disallow-untyped-defs --check-untyped-defs vllm_flagcx",
         f"    python .ci/mi_floor.py {settings['mi_floor']} vllm_flagcx matrix tests benchmarks "
         "examples .ci",
+        "    python .ci/id_swaps.py",
         "",
     ]
     return "\n".join(lines)

@@ -12,6 +12,10 @@ REMOTE = RemotePrefill(TransferId("t1"), "127.0.0.1", 5600, 1, "prefill-0", (16,
 REQUEST = object()  # stands for vLLM's Request: the lifecycle only hands it back
 
 
+def _remote(transfer_id: str) -> RemotePrefill:
+    return RemotePrefill(TransferId(transfer_id), "127.0.0.1", 5600, 1, "prefill-0", (16,))
+
+
 def _pulling(loads: Loads, request_id: str = "r1") -> None:
     loads.match(request_id, REQUEST, REMOTE, local_hit=32)
     assert loads.plan(request_id, REQUEST, REMOTE) == 32
@@ -79,3 +83,25 @@ def test_the_kept_slot_no_longer_yields():
     loads.fail("r1", vllm_frees=True, yields=3)
     loads.end_request("r1")
     assert loads.get("r1").yields_left is None
+
+
+def test_the_heartbeat_reads_its_targets_from_the_loads_and_from_no_list_of_its_own():
+    """Awaited = MATCHED: a request decode has and will pull, without blocks yet; planned,
+    dropped and finished ones leave the heartbeat's round with no call to it."""
+    from vllm_flagcx.wire.heartbeat import HeartbeatSender
+
+    loads = Loads()
+    beats = HeartbeatSender(30.0, loads.awaited)
+    loads.match("a", REQUEST, _remote("t-a"), 0)
+    loads.match("b", REQUEST, _remote("t-b"), 0)
+    loads.match("c", REQUEST, _remote("t-c"), 0)
+    assert {r.transfer_id for r in loads.awaited()} == {"t-a", "t-b", "t-c"}
+    loads.plan("a", REQUEST, _remote("t-a"))
+    loads.drop("b")
+    assert [tid for ids in beats._targets().values() for tid in ids] == ["t-c"]
+    loads.match("d", REQUEST, _remote("t-d"), 0)
+    assert [tid for ids in beats._targets(fresh_only=True).values() for tid in ids] == [
+        "t-d"]  # woken: only the new one is beaten at once
+    loads.end_request("c")
+    loads.end_request("d")
+    assert loads.awaited() == [] and beats._targets() == {}

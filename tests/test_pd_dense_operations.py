@@ -159,11 +159,13 @@ def test_decode_heartbeats_keep_the_prefill_lease():
 
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 2, port, model="dense", lease_seconds=0.6)
-    beats = HeartbeatSender(interval=0.15, timeout=0.5)
+    awaited: list = []  # stands in for decode's Loads: what it will pull
+    beats = HeartbeatSender(0.15, lambda: list(awaited), timeout=0.5)
     try:
         records = pd.run_prefill(p, prompts=[40])
         rec = next(iter(records.values()))
-        beats.watch("d-req", parse_remote_prefill(rec["params"]))
+        awaited.append(parse_remote_prefill(rec["params"]))
+        beats.wake()
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
             p.step()
@@ -172,7 +174,7 @@ def test_decode_heartbeats_keep_the_prefill_lease():
         assert harness.blocks_in_use(p.scheduler) > 0
         assert all(w.stats["lease_renewals"] > 0 for w in p.workers)  # on every P rank
         assert sum(w.stats["num_kv_expired_reqs"] for w in p.workers) == 0
-        beats.unwatch("d-req")
+        awaited.clear()
         deadline = time.monotonic() + 3
         while harness.blocks_in_use(p.scheduler) and time.monotonic() < deadline:
             p.step()
@@ -264,11 +266,13 @@ def test_a_decode_leg_that_never_arrives_frees_prefill_after_the_first_lease():
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model="dense", lease_seconds=30.0,
                           extra={"first_lease_seconds": 0.5})
-    beats = HeartbeatSender(interval=30.0, timeout=0.5)  # no periodic round in this test
+    awaited: list = []
+    beats = HeartbeatSender(30.0, lambda: list(awaited), timeout=0.5)  # no periodic round
     try:
         records = pd.run_prefill(p, prompts=[40, 40])
         abandoned, arrived = (rec for rec in records.values())
-        beats.watch("d-req", parse_remote_prefill(arrived["params"]))  # beaten at once
+        awaited.append(parse_remote_prefill(arrived["params"]))
+        beats.wake()  # beaten at once
         started = time.monotonic()
         while p.scheduler.connector.scheduler.num_held > 1 and time.monotonic() - started < 5:
             p.step()

@@ -17,6 +17,7 @@ What the base absorbs:
 from __future__ import annotations
 
 import abc
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from vllm_flagcx.compat.probe import optional, resolve
@@ -172,8 +173,8 @@ def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], per_reque
     return {}
 
 
-def transfer_results(finished_sending: set[str], finished_recving: set[str],
-                     failed_recving: set[str]) -> Any:
+def transfer_results(finished_sending: AbstractSet[str], finished_recving: AbstractSet[str],
+                     failed_recving: AbstractSet[str]) -> Any:
     """A ``KVConnectorTransferResults`` (0.34), with failed receives reported per request."""
     cls = KVConnectorTransferResults
     return cls(finished_sending=set(finished_sending), finished_recving=set(finished_recving),

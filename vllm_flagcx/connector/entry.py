@@ -11,6 +11,7 @@ caches are registered.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from vllm_flagcx.compat import config as compat_config
@@ -70,7 +71,7 @@ class FlagCXConnectorMetadata(KVConnectorMetadata):
 class FlagCXWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc, valid-type]
     """Worker -> scheduler: requests whose receive failed this step (hybrid models)."""
 
-    def __init__(self, failed_recving: set[str] | None = None) -> None:
+    def __init__(self, failed_recving: AbstractSet[str] | None = None) -> None:
         self.failed_recving = set(failed_recving or ())
 
     def aggregate(self, other: FlagCXWorkerMetadata) -> FlagCXWorkerMetadata:
@@ -292,8 +293,8 @@ class FlagCXConnector(PortableConnectorBase):
     def wait_for_save(self) -> None:
         return None
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                 set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[RequestId] | None,
+                                                                 set[RequestId] | None]:
         if self.worker is None:
             return None, None
         sending, recving = self.worker.get_finished()

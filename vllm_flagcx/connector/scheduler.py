@@ -41,6 +41,7 @@ from vllm_flagcx.connector.common.metadata import (
 )
 from vllm_flagcx.connector.common.settings import DEFAULTS
 from vllm_flagcx.connector.decode.loads import LoadPhase, Loads
+from vllm_flagcx.connector.prefill.held import HeldSends
 from vllm_flagcx.wire import params as wire_params
 from vllm_flagcx.wire.heartbeat import HeartbeatSender
 from vllm_flagcx.wire.params import (
@@ -105,8 +106,7 @@ class SchedulerHalf:
         self.recovery = recovery or LoadFailureRecovery(None)
         self.hash_block_size = min((g.block_size for g in self.groups), default=0)
         self._pending = FlagCXMetadataPayload()
-        self._armed: dict[str, SendTask] = {}  # prefill: request_id -> held send
-        self._held_ids: set[str] = set()  # their transfer ids (one request per id)
+        self.held = HeldSends()  # prefill: the requests whose KV it holds for a decode
         self.loads = Loads()  # decode: one slot per request that loads (connector.loads)
         self._freed_here: set[str] = set()  # KEPT loads freed by us (0.13) last step
         self.recomputed_after_failure = 0
@@ -115,7 +115,7 @@ class SchedulerHalf:
         self._refused: dict[str, str] = {}
         # request_id -> its remote prefill, parsed once (None: none, refused, or planned)
         self._remotes: dict[str, RemotePrefill | None] = {}
-        self.heartbeats = HeartbeatSender(interval=settings.lease_seconds / 3,
+        self.heartbeats = HeartbeatSender(settings.lease_seconds / 3, self.loads.awaited,
                                           key=settings.key)
 
     # -------------------------------------------------------------------- decode side
@@ -125,7 +125,8 @@ class SchedulerHalf:
         one; builds without this hook send it when vLLM first schedules the request."""
         remote = self._remote(request)
         if remote is not None:
-            self.heartbeats.watch(request.request_id, remote)
+            self.loads.match(request.request_id, request, remote, 0)
+            self.heartbeats.wake()
 
     def _params(self, request: Any) -> Mapping[str, Any]:
         """The request's ``kv_transfer_params`` when they are an object, read and never
@@ -183,9 +184,8 @@ class SchedulerHalf:
             return 0, False
         count = wanted - num_computed_tokens
         self.loads.match(request.request_id, request, remote, num_computed_tokens)
-        if count > 0:
-            # Until blocks are allocated here, keep prefill's lease on its blocks alive.
-            self.heartbeats.watch(request.request_id, remote)
+        if count > 0:  # until its blocks are allocated, the heartbeat keeps the lease
+            self.heartbeats.wake()
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -193,7 +193,6 @@ class SchedulerHalf:
         remote = self._remote(request)
         if remote is None:
             return
-        self.heartbeats.unwatch(request.request_id)
         self._remotes[request.request_id] = None  # planned (or a local hit): never twice
         if num_external_tokens <= 0:
             # Everything was a local hit: prefill still holds blocks; free them there.
@@ -231,7 +230,6 @@ class SchedulerHalf:
         unplanned = self._remote(request)  # still to load (parsed here if never before)
         self._remotes.pop(request.request_id, None)
         refused = self._refused.pop(request.request_id, None)
-        self.heartbeats.unwatch(request.request_id)
         ended = self.loads.end_request(request.request_id)
         phase, awaited = ended if ended is not None else (None, None)
         loading = phase in (LoadPhase.PLANNED, LoadPhase.PULLING)
@@ -259,8 +257,8 @@ class SchedulerHalf:
             return False, {"transfer_id": params["transfer_id"],
                            wire_params.NOT_HELD: wire_params.BOOTSTRAP_LEG_REFUSAL}
         ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]
-        transfer_id = str(params.get("transfer_id") or request.request_id)
-        if transfer_id in self._held_ids:
+        transfer_id = TransferId(str(params.get("transfer_id") or request.request_id))
+        if self.held.holds(transfer_id):
             # A second request under a held id: decode would pull the first one's KV.
             logger.warning("FlagCX: transfer_id %r of request %s is already held for "
                            "another request; its KV is not offered (decode recomputes)",
@@ -274,10 +272,9 @@ class SchedulerHalf:
             num_tokens=request.num_prompt_tokens)
         if not any(ids):
             return False, out
-        task = SendTask(request.request_id, TransferId(transfer_id), ids,
+        task = SendTask(request.request_id, transfer_id, ids,
                         time.monotonic() + self.settings.first_lease_seconds)
-        self._armed[request.request_id] = task
-        self._held_ids.add(transfer_id)
+        self.held.hold(task)
         self._pending.send[request.request_id] = task
         return True, out
 
@@ -298,7 +295,7 @@ class SchedulerHalf:
         that lacks it), ``num_computed_tokens = 0`` over the allocated blocks is right only
         without sliding-window groups, and the connector refused to start otherwise.
         """
-        for req_id in failed_recving or ():
+        for req_id in map(RequestId, failed_recving or ()):
             # with a recovery mode vLLM frees its blocks, and it yields: see _yields
             request = self.loads.fail(req_id, vllm_frees=self.recovery.mode is not None,
                                       yields=MAX_YIELDS)
@@ -311,15 +308,13 @@ class SchedulerHalf:
                 request.num_computed_tokens = 0
         self.recovery.forget(self._freed_here)
         self._freed_here = set()
-        for req_id in finished_recving or ():
+        for req_id in map(RequestId, finished_recving or ()):
             if self.loads.land(req_id) and self.recovery.free_finished(req_id):
                 self._freed_here.add(req_id)
-        for req_id in finished_sending or ():
-            task = self._armed.pop(req_id, None)
-            if task is not None:
-                self._held_ids.discard(task.transfer_id)
+        for sent in map(RequestId, finished_sending or ()):
+            self.held.sent(sent)
 
-    def _yields(self, request_id: str) -> bool:
+    def _yields(self, request_id: RequestId) -> bool:
         """Must this request, whose load failed, let the block holders go first?
 
         vLLM frees a failed load's blocks, and the request then waits to recompute at
@@ -352,4 +347,4 @@ class SchedulerHalf:
 
     @property
     def num_held(self) -> int:
-        return len(self._armed)
+        return len(self.held)

@@ -65,7 +65,7 @@ class WorkerHalf:
         self._step_idle = False  # this step computes no token (its payload says)
         self._lock = threading.Lock()
         self._pending_invalid: set[int] = set()
-        self.failed_last_step: set[str] = set()  # vLLM request ids whose load failed
+        self.failed_last_step: set[RequestId] = set()  # vLLM request ids whose load failed
 
     # ---------------------------------------------------------------- registration
     def register_regions(self, regions: list[Region], serve: bool,
@@ -111,7 +111,7 @@ class WorkerHalf:
         for transfer_id, remote in payload.release.items():
             self.puller.submit_release(transfer_id, remote)
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """(finished sending, finished receiving); failed receives are finished too, with
         their blocks held for ``get_block_ids_with_load_errors`` of the same step.
 

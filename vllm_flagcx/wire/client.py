@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_flagcx.wire import auth, curve, endpoints
 from vllm_flagcx.wire import handshake as hs
+from vllm_flagcx.wire.params import TransferId
 
 HANDSHAKE_EVENTS = (1 << 11) | (1 << 13) | (1 << 14)  # zmq.EVENT_HANDSHAKE_FAILED_*
 
@@ -250,8 +251,8 @@ def release_transfer(host: str, port: int, tp_size: int, transfer_id: str,
     errors = []
     for rank in range(tp_size):
         try:
-            reply = ask(zmq.Context.instance(), host, port + rank, hs.Release(transfer_id),
-                        timeout, key=key, role=role)
+            reply = ask(zmq.Context.instance(), host, port + rank,
+                        hs.Release(TransferId(transfer_id)), timeout, key=key, role=role)
             if not isinstance(reply, hs.Ack):
                 errors.append(f"{host}:{port + rank}: answered {type(reply).__name__}")
         except (TimeoutError, OSError, zmq.ZMQError, hs.HandshakeError) as exc:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from vllm_flagcx.layout.regions import Region
+from vllm_flagcx.wire.params import TransferId
 
 PROTOCOL_VERSION = 2  # 2: LayoutFacts.cache_format
 
@@ -80,7 +81,7 @@ class HandshakeRefused(msgspec.Struct, frozen=True, tag="refused"):
 class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
     """D asks one P rank to write ``transfer_id`` into these blocks (per KV cache group)."""
 
-    transfer_id: str
+    transfer_id: TransferId
     sheet: FactSheet  # the receiver's sheet: regions, TP, transport description
     block_ids: tuple[tuple[int, ...], ...]
     offsets: tuple[int | None, ...] = ()  # per group: local prefix hit in blocks, or tails
@@ -89,7 +90,7 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull"):
 class PullReply(msgspec.Struct, frozen=True, tag="pulled"):
     """Per-request status: one reply per pull, never one status byte per batch."""
 
-    transfer_id: str
+    transfer_id: TransferId
     ok: bool
     error: str = ""
     num_bytes: int = 0
@@ -106,17 +107,17 @@ class PullReply(msgspec.Struct, frozen=True, tag="pulled"):
 class Release(msgspec.Struct, frozen=True, tag="release"):
     """D no longer needs ``transfer_id`` (aborted, or fully hit locally): free it."""
 
-    transfer_id: str
+    transfer_id: TransferId
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     """D still intends to pull these transfers: P renews their leases."""
 
-    transfer_ids: tuple[str, ...]
+    transfer_ids: tuple[TransferId, ...]
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
-    transfer_id: str
+    transfer_id: str  # what was acknowledged (a heartbeat's ids, joined and capped)
 
 
 Message = (HandshakeRequest | HandshakeReply | HandshakeRefused | PullRequest | PullReply

@@ -3,9 +3,10 @@
 A decode request can wait in decode's queue (no free blocks) long after prefill finished.
 Prefill holds its blocks only for a lease; this thread, in the decode scheduler process,
 renews the lease of every awaited transfer every ``interval`` seconds, on every prefill
-rank, until the request is allocated (then the pull itself takes over) or ends. A newly
-watched transfer is beaten at once (``watch`` wakes the thread): that first word turns
-prefill's short first lease into the full one.
+rank, until the request is allocated (then the pull itself takes over) or ends. Which
+transfers are awaited is not kept here: ``targets`` asks their owner (decode's
+``connector.decode.loads.Loads``) each round. ``wake`` beats the ones not beaten yet at
+once: that first word turns prefill's short first lease into the full one.
 """
 
 from __future__ import annotations
@@ -14,53 +15,49 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
-from vllm_flagcx.wire.params import RemotePrefill
+from vllm_flagcx.wire.params import RemotePrefill, TransferId
 
 logger = logging.getLogger("vllm_flagcx")
 
 
 class HeartbeatSender:
-    def __init__(self, interval: float, timeout: float = 1.0, key: bytes | None = None
-                 ) -> None:
+    def __init__(self, interval: float, targets: Callable[[], Iterable[RemotePrefill]],
+                 timeout: float = 1.0, key: bytes | None = None) -> None:
         self.interval = interval
         self.key = key  # the side-channel secret's MAC key (``auth.load_key``)
         self.timeout = timeout
+        self._awaited = targets  # thread-safe: called from the heartbeat thread
+        self._beaten: set[TransferId] = set()  # of the last round (heartbeat thread)
         self._lock = threading.Lock()
-        self._awaited: dict[str, RemotePrefill] = {}  # request id -> prefill
-        self._fresh: set[str] = set()  # watched since the last round: beaten at once
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._channels: client.Channels | None = None  # kept connections, made at first use
         self.sent = 0
 
-    def watch(self, request_id: str, remote: RemotePrefill) -> None:
+    def wake(self) -> None:
+        """A transfer became awaited: beat the new ones now (starts the thread once)."""
         with self._lock:
-            if request_id not in self._awaited:
-                self._fresh.add(request_id)
-                self._wake.set()
-            self._awaited[request_id] = remote
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="flagcx-heartbeat")
                 self._thread.start()
+        self._wake.set()
 
-    def unwatch(self, request_id: str) -> None:
-        with self._lock:
-            self._awaited.pop(request_id, None)
-            self._fresh.discard(request_id)
-
-    def _targets(self, fresh_only: bool = False) -> dict[tuple[str, int, int], list[str]]:
-        with self._lock:
-            if fresh_only:
-                awaited = [self._awaited[r] for r in self._fresh if r in self._awaited]
-            else:
-                awaited = list(self._awaited.values())
-            self._fresh.clear()
-        out: dict[tuple[str, int, int], list[str]] = defaultdict(list)
+    def _targets(self, fresh_only: bool = False
+                 ) -> dict[tuple[str, int, int], list[TransferId]]:
+        awaited = list(self._awaited())
+        ids = {remote.transfer_id for remote in awaited}
+        if fresh_only:
+            awaited = [r for r in awaited if r.transfer_id not in self._beaten]
+            self._beaten |= ids
+        else:
+            self._beaten = ids
+        out: dict[tuple[str, int, int], list[TransferId]] = defaultdict(list)
         for remote in awaited:
             out[(remote.remote_host, remote.remote_port, remote.remote_tp_size)].append(
                 remote.transfer_id)
@@ -68,7 +65,7 @@ class HeartbeatSender:
 
     def beat_once(self, fresh_only: bool = False) -> None:
         """One round of heartbeats (the thread calls this every ``interval``, and for the
-        newly watched transfers alone as soon as they are watched)."""
+        new ones alone when woken)."""
         import zmq
 
         with self._lock:  # one kept connection per prefill rank

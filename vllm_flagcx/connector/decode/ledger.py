@@ -12,6 +12,7 @@ import time
 from collections import defaultdict, deque
 
 from vllm_flagcx.connector.common.counters import delta
+from vllm_flagcx.connector.common.metadata import RequestId
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -25,12 +26,12 @@ class FailureLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._failed: dict[str, tuple[str, str, list[int]]] = {}
+        self._failed: dict[RequestId, tuple[str, str, list[int]]] = {}
         self.counts: dict[str, int] = defaultdict(int)
         self.recent: deque[tuple[float, str, str, str]] = deque(maxlen=256)  # for operators
         self._last_counts: dict[str, int] = {}
 
-    def record(self, stage: str, request_id: str, block_ids: list[int], error: str) -> None:
+    def record(self, stage: str, request_id: RequestId, block_ids: list[int], error: str) -> None:
         assert stage in STAGES, stage
         with self._lock:
             if request_id in self._failed:
@@ -47,7 +48,7 @@ class FailureLedger:
             self._last_counts = dict(self.counts)
         return changed
 
-    def drain(self) -> tuple[set[str], set[int]]:
+    def drain(self) -> tuple[set[RequestId], set[int]]:
         with self._lock:
             failed, self._failed = self._failed, {}
         return set(failed), {b for _, _, ids in failed.values() for b in ids}

@@ -328,7 +328,7 @@ class Puller:
                          task.remote.transfer_id, task.request_id, error)
         self._ledger.record("recv", task.request_id, flat, error)
 
-    def _release(self, transfer_id: str, remote: RemotePrefill, timeout: float) -> bool:
+    def _release(self, transfer_id: TransferId, remote: RemotePrefill, timeout: float) -> bool:
         """Tell every prefill rank to drop ``transfer_id``; True when each acknowledged
         or is gone (its port refuses connections: nothing left there to write)."""
         try:

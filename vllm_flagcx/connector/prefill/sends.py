@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from vllm_flagcx.connector.common.metadata import SendTask
+from vllm_flagcx.connector.common.metadata import RequestId, SendTask, TransferId
 
 MAX_ENDED_REMEMBERED = 4096  # ended transfer ids kept to answer late pulls at once
 MAX_WRITES_IN_FLIGHT = 64  # per prefill rank; more pulls stay parked
@@ -63,13 +63,13 @@ class Sends:
 
     def __init__(self, max_writes: int = MAX_WRITES_IN_FLIGHT) -> None:
         self._lock = threading.Lock()
-        self._armed: dict[str, Send] = {}  # transfer_id -> armed transfer
-        self._ended: OrderedDict[str, str] = OrderedDict()  # transfer_id -> why
-        self._done: set[str] = set()  # request ids vLLM may free
+        self._armed: dict[TransferId, Send] = {}  # transfer_id -> armed transfer
+        self._ended: OrderedDict[TransferId, str] = OrderedDict()  # transfer_id -> why
+        self._done: set[RequestId] = set()  # request ids vLLM may free
         # decode's word can come before the worker's step arms the transfer (prefill
         # answered HTTP when the request finished; the blocks reach the worker one step
         # later): transfer_id -> lease end, applied by ``arm``
-        self._early: OrderedDict[str, float] = OrderedDict()
+        self._early: OrderedDict[TransferId, float] = OrderedDict()
         self._max_writes = max_writes
         self.writes_in_flight = 0
 
@@ -89,7 +89,7 @@ class Sends:
             self._armed[task.transfer_id] = Send(task)
             return True
 
-    def renew(self, transfer_ids: list[str], until: float) -> int:
+    def renew(self, transfer_ids: list[TransferId], until: float) -> int:
         """Heartbeat: push leases to ``until``; how many were pushed. An id not armed (nor
         ended) yet is remembered (bounded) and applied when it is armed."""
         renewed = 0
@@ -108,7 +108,7 @@ class Sends:
                     renewed += 1
         return renewed
 
-    def release(self, transfer_id: str, ident: bytes) -> bool:
+    def release(self, transfer_id: TransferId, ident: bytes) -> bool:
         """Decode released ``transfer_id``: True to acknowledge now; False when a write is in
         flight (``finish`` returns ``ident`` for acknowledgement later)."""
         with self._lock:
@@ -121,7 +121,7 @@ class Sends:
                 self._end_locked(transfer_id, "released by decode")
             return True
 
-    def is_armed(self, transfer_id: str) -> bool:
+    def is_armed(self, transfer_id: TransferId) -> bool:
         with self._lock:
             return transfer_id in self._armed
 
@@ -131,7 +131,7 @@ class Sends:
         with self._lock:
             return not send.release_waiters
 
-    def claim(self, transfer_id: str, receiver: str) -> tuple[Claim, Send | str | None]:
+    def claim(self, transfer_id: TransferId, receiver: str) -> tuple[Claim, Send | str | None]:
         """May a pull by engine ``receiver`` write now? ``(WRITE, send)`` takes a write slot;
         ``(ENDED, why)``; ``(REFUSED, why)``; ``(BUSY, None)``; ``(WAIT, None)``."""
         with self._lock:
@@ -148,7 +148,7 @@ class Sends:
             self.writes_in_flight += 1
             return Claim.WRITE, send
 
-    def finish(self, transfer_id: str, send: Send, rank: int, tp_size: int) -> list[bytes]:
+    def finish(self, transfer_id: TransferId, send: Send, rank: int, tp_size: int) -> list[bytes]:
         """A claimed write is over (done or failed): the transfer ends once every receiver
         rank pulled, or at once when a Release waited for it; the Releases to acknowledge
         now (only once no write is left)."""
@@ -175,19 +175,19 @@ class Sends:
                 self._end_locked(tid, LEASE_EXPIRED)
         return len(expired)
 
-    def expired(self, transfer_id: str) -> bool:
+    def expired(self, transfer_id: TransferId) -> bool:
         """Whether ``transfer_id`` ended here because its lease expired (remembered for
         the last ``MAX_ENDED_REMEMBERED`` transfers)."""
         with self._lock:
             return self._ended.get(transfer_id) == LEASE_EXPIRED
 
-    def take_done(self) -> set[str]:
+    def take_done(self) -> set[RequestId]:
         """Request ids whose transfer ended since the last call (vLLM frees their blocks)."""
         with self._lock:
             done, self._done = self._done, set()
         return done
 
-    def _end_locked(self, transfer_id: str, why: str) -> None:
+    def _end_locked(self, transfer_id: TransferId, why: str) -> None:
         send = self._armed.pop(transfer_id, None)
         if send is None:
             return

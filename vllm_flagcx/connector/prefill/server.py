@@ -46,6 +46,7 @@ from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.metrics import Stat
+from vllm_flagcx.wire.params import TransferId
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -58,7 +59,7 @@ class Pending(enum.Enum):
 
 
 def _superseded(pull: hs.PullRequest | None) -> hs.PullReply:
-    return hs.PullReply(pull.transfer_id if pull else "", False,
+    return hs.PullReply(pull.transfer_id if pull else TransferId(""), False,
                         "superseded by an identical pull (same transfer, receiver and rank)")
 
 
