@@ -15,14 +15,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_flagcx"
 
-BUDGET = {
+BUDGET = {  # lowered by at least a third on 2026-12-07 (Protocols at vLLM's boundary)
     "layout": 0,  # the pure floor: no Any at all
-    "wire": 22,
-    "transport": 10,
-    "compat": 98,
-    "connector": 101,
-    "router": 26,
-    "demo": 10,
+    "wire": 14,
+    "transport": 4,
+    "compat": 65,
+    "connector": 48,
+    "router": 6,
+    "demo": 4,
 }
 
 

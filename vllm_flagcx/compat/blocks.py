@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.probe import optional
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike
 
 
 def null_block_id() -> int:
@@ -79,7 +80,7 @@ class HybridManagerRequired(ValueError):
     """A Mamba/GDN hybrid model is configured with the hybrid KV cache manager off."""
 
 
-def require_hma_for_mamba(vllm_config: Any, kv_cache_config: Any) -> None:
+def require_hma_for_mamba(vllm_config: Any, kv_cache_config: KVCacheConfigLike | None) -> None:
     """Refuse-not-degrade: Mamba/GDN state cannot be moved without per-group block ids."""
     from vllm_flagcx.compat.kv_cache import has_mamba_groups
 
@@ -99,7 +100,7 @@ class HybridRemoteLoadUnsupported(ValueError):
     """This vLLM's scheduler cannot finish remote loads of multi-group requests."""
 
 
-def require_hybrid_async_load(is_consumer: bool, kv_cache_config: Any) -> None:
+def require_hybrid_async_load(is_consumer: bool, kv_cache_config: KVCacheConfigLike | None) -> None:
     """Refuse a decode (consumer) role for a hybrid model where vLLM would crash later."""
     if not is_consumer or kv_cache_config is None or len(kv_cache_config.kv_cache_groups) < 2:
         return
@@ -113,7 +114,8 @@ def require_hybrid_async_load(is_consumer: bool, kv_cache_config: Any) -> None:
 
 
 def require_mamba_align_accepts_remote_loads(is_consumer: bool, vllm_config: Any,
-                                             kv_cache_config: Any) -> None:
+                                             kv_cache_config: KVCacheConfigLike | None
+                                             ) -> None:
     """Refuse a decode role for a hybrid model with prefix caching where vLLM asserts.
 
     With prefix caching on, vLLM runs Mamba layers in ``mamba_cache_mode="align"``, and

@@ -52,7 +52,7 @@ class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 
     prefer_cross_layer_blocks = False
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: Any, role: object, kv_cache_config: object = None) -> None:
         refuse_sleep_mode(vllm_config)
         if _base_takes_kv_cache_config():
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -88,7 +88,7 @@ class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         return tuple(ids) if ids is not None else tuple(range(len(config.kv_cache_groups)))
 
     # -- preemptions: set[str] (0.17/0.18) or metadata (0.19+) -------------------------
-    def handle_preemptions(self, preempted: Any) -> None:
+    def handle_preemptions(self, preempted: object) -> None:
         if isinstance(preempted, (set, frozenset, list, tuple)):
             req_ids = set(preempted)
         else:
@@ -104,7 +104,7 @@ class PortableConnectorBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, dict[str, object] | None]:
         raise NotImplementedError
 
 
@@ -140,7 +140,7 @@ def step_computes_nothing(scheduler_output: object) -> bool:
     return isinstance(scheduled, int) and scheduled == 0
 
 
-def role_is_scheduler(role: Any) -> bool:
+def role_is_scheduler(role: object) -> bool:
     return role == KVConnectorRole.SCHEDULER
 
 
@@ -189,13 +189,13 @@ class SummedConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
     across workers and intervals, per-request samples for the histograms, and gauges
     (the catalog says which key is which)."""
 
-    def __init__(self, data: dict[str, Any] | None = None) -> None:
+    def __init__(self, data: dict[str, object] | None = None) -> None:
         self.data = dict(data or {})
 
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: Any) -> SummedConnectorStats:
+    def aggregate(self, other: object) -> SummedConnectorStats:
         metrics.merge(self.data, dict(getattr(other, "data", None) or {}))
         return self
 
@@ -208,7 +208,7 @@ class SummedConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
                 out[f"{key}_count"] = len(value)
                 if value:
                     out[f"{key}_avg"] = round(sum(value) / len(value), 6)
-            else:
+            elif isinstance(value, (int, float)):
                 out[key] = value
         seconds, total = out.get("send_seconds", 0.0), out.get("send_bytes", 0)
         if seconds:
@@ -218,7 +218,7 @@ class SummedConnectorStats(_StatsBase):  # type: ignore[misc, valid-type]
     def is_empty(self) -> bool:
         return metrics.is_empty(self.data)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return self.data
 
 
@@ -251,13 +251,13 @@ class FlagCXPromMetrics(_PromBase):  # type: ignore[misc, valid-type]
             self.families[family.key] = {engine: parent.labels(*values)
                                          for engine, values in per_engine_labelvalues.items()}
 
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+    def observe(self, transfer_stats_data: dict[str, object], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             family, child = metrics.BY_KEY.get(key), self.families.get(key, {}).get(engine_idx)
             if family is None or child is None:
                 continue
             if family.kind is metrics.Kind.HISTOGRAM:
-                for sample in value:
+                for sample in value if isinstance(value, list) else ():
                     child.observe(sample)
             elif family.kind is metrics.Kind.GAUGE:
                 child.set(value)

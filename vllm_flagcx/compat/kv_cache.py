@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.probe import resolve
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike
 
 
 class SpecKind(str, enum.Enum):
@@ -66,7 +67,7 @@ def mamba_type_name(spec_or_value: Any) -> str:
     return MAMBA_ENUM_TO_NAME.get(name, name.lower())
 
 
-def attention_groups(kv_cache_config: Any) -> list[tuple[int, Any]]:
+def attention_groups(kv_cache_config: KVCacheConfigLike) -> list[tuple[int, Any]]:
     """(index, group) of the groups whose layers hold K/V attention caches (full or
     sliding window; not MLA latents, not Mamba state): the ones a backend's declared
     dimensions describe."""
@@ -75,12 +76,12 @@ def attention_groups(kv_cache_config: Any) -> list[tuple[int, Any]]:
                                               SpecKind.SLIDING_WINDOW)]
 
 
-def kv_cache_tensors(kv_cache_config: Any) -> list[tuple[int, list[str]]]:
+def kv_cache_tensors(kv_cache_config: KVCacheConfigLike) -> list[tuple[int, list[str]]]:
     """(size, layer names) for each backing tensor of a ``KVCacheConfig``."""
     out = []
     shared_by = capabilities().kv_cache_tensor_layers == "shared_by"
     for tensor in kv_cache_config.kv_cache_tensors:
-        names = tensor.shared_by if shared_by else tensor.layers
+        names = getattr(tensor, "shared_by" if shared_by else "layers")
         out.append((int(tensor.size), list(names)))
     return out
 
@@ -98,7 +99,7 @@ class GroupFacts:
     sliding_window: int | None = None
 
 
-def group_facts(kv_cache_config: Any) -> list[GroupFacts]:
+def group_facts(kv_cache_config: KVCacheConfigLike) -> list[GroupFacts]:
     """One ``GroupFacts`` per KV cache group, block sizes as the config resolved them."""
     facts = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -117,5 +118,5 @@ def group_facts(kv_cache_config: Any) -> list[GroupFacts]:
     return facts
 
 
-def has_mamba_groups(kv_cache_config: Any) -> bool:
+def has_mamba_groups(kv_cache_config: KVCacheConfigLike) -> bool:
     return any(f.kind is SpecKind.MAMBA for f in group_facts(kv_cache_config))

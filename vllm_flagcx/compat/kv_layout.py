@@ -19,17 +19,21 @@ functions take plain numbers):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike
 from vllm_flagcx.layout import regions as R
 
 
-def _nbytes_stride(tensor: Any, dim: int) -> int:
+def _nbytes_stride(tensor: torch.Tensor, dim: int) -> int:
     return int(tensor.stride(dim)) * int(tensor.element_size())
 
 
-def one_run(tensor: Any) -> bool:
+def one_run(tensor: torch.Tensor) -> bool:
     """Do ``tensor``'s elements form one gap-free run of memory, in SOME dimension order?
 
     Every byte count below (a head, a block, a state) is a product of sizes that is only
@@ -45,7 +49,7 @@ def one_run(tensor: Any) -> bool:
     return True
 
 
-def _require_run(part: Any, name: str, what: str) -> None:
+def _require_run(part: torch.Tensor, name: str, what: str) -> None:
     if not one_run(part):
         raise R.RegionError(
             f"{name}: {what} of shape {tuple(int(n) for n in part.shape)} and strides "
@@ -69,7 +73,7 @@ def kv_dimension(shape: tuple[int, ...], name: str) -> int:
                         "dimension is ambiguous; give the engine more KV cache blocks")
 
 
-def _block_dims(cache: Any, name: str, dims: str | None) -> tuple[int, int, int]:
+def _block_dims(cache: torch.Tensor, name: str, dims: str | None) -> tuple[int, int, int]:
     """(K/V dimension, tokens and heads dimensions of one of K or V) of a 5-d cache: from
     the backend's declared ``dims`` when known, else from the shape (the (2, B, N, H, D)
     and (B, 2, N, H, D) families)."""
@@ -82,7 +86,7 @@ def _block_dims(cache: Any, name: str, dims: str | None) -> tuple[int, int, int]
     return dims.index("2"), inner.index("N"), inner.index("H")
 
 
-def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
+def attention_regions(name: str, cache: torch.Tensor, spec: Any, group: int, tp_size: int,
                       total_kv_heads: int, dims: str | None = None) -> list[R.Region]:
     """K/V regions of one attention layer. ``dims``: what its backend declares
     (``compat.attention.declared_dims``); without it the 5-d shape families are read."""
@@ -132,7 +136,7 @@ def attention_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int
                         "known layout")
 
 
-def physical_order(cache: Any, dims: str) -> str:
+def physical_order(cache: torch.Tensor, dims: str) -> str:
     """The letters of ``dims`` (one per logical dimension of ``cache``) ordered from the
     largest stride to the smallest: the memory order the tensor really has, whatever
     layout was asked for (size-1 dimensions last, their stride says nothing)."""
@@ -141,7 +145,7 @@ def physical_order(cache: Any, dims: str) -> str:
     return "".join(dims[i] for i in ranked)
 
 
-def packed_kv_regions(name: str, cache: Any, group: int, kind: str, total_kv_heads: int
+def packed_kv_regions(name: str, cache: torch.Tensor, group: int, kind: str, total_kv_heads: int
                       ) -> list[R.Region]:
     """vLLM 0.34's per-layer view: logical ``[B, H, N, C]`` with K||V in C, laid out in
     memory as the engine's ``KVCacheLayout`` says (LBHNC, BLHNC: heads outside tokens;
@@ -171,7 +175,7 @@ def packed_kv_regions(name: str, cache: Any, group: int, kind: str, total_kv_hea
                                  interleaved=not hnd)
 
 
-def mla_regions(name: str, cache: Any, spec: Any, group: int) -> list[R.Region]:
+def mla_regions(name: str, cache: torch.Tensor, spec: Any, group: int) -> list[R.Region]:
     _require_run(cache[0], name, "one block of the latent cache")
     return R.mla(layer=name, group=group, base=cache.data_ptr(),
                  block_stride=_nbytes_stride(cache, 0), num_blocks=int(cache.shape[0]),
@@ -195,7 +199,7 @@ def _mamba_state_facts(spec: Any, conv_layout: str) -> tuple[int, int, int, int,
     return int(channels), int(state_len), conv_dtype.itemsize, int(ssm_shape[0]), ssm_head_bytes
 
 
-def mamba_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
+def mamba_regions(name: str, cache: torch.Tensor, spec: Any, group: int, tp_size: int,
                   conv_layout: str, conv_split: R.ConvSplit | None) -> list[R.Region]:
     """<= 0.22: ``[conv, ssm]`` views into one page; 0.34: one int8 page tensor."""
     if isinstance(cache, (list, tuple)) and len(cache) == 2:
@@ -236,7 +240,8 @@ def mamba_regions(name: str, cache: Any, spec: Any, group: int, tp_size: int,
                    page_bytes=int(spec.page_size_bytes))
 
 
-def regions_for_kv_caches(kv_caches: dict[str, Any], kv_cache_config: Any, tp_size: int,
+def regions_for_kv_caches(kv_caches: dict[str, torch.Tensor],
+                          kv_cache_config: KVCacheConfigLike, tp_size: int,
                           total_kv_heads: int, conv_layout: str,
                           conv_split: R.ConvSplit | None = None,
                           attention_dims: dict[int, str | None] | None = None

@@ -27,6 +27,7 @@ import numpy as np
 
 from vllm_flagcx.compat.kv_cache import SpecKind, spec_kind
 from vllm_flagcx.compat.kv_layout import kv_dimension
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike
 from vllm_flagcx.layout import digest
 from vllm_flagcx.layout.plans import expand_to_kernel_blocks
 
@@ -258,7 +259,8 @@ def state_parts(cache: Tensor | Sequence[Tensor], spec: Any, conv_layout: str,
     return tuple(parts)
 
 
-def cache_views(kv_caches: Mapping[str, Any], kv_cache_config: Any, total_kv_heads: int,
+def cache_views(kv_caches: Mapping[str, Tensor], kv_cache_config: KVCacheConfigLike,
+                total_kv_heads: int,
                 attention_dims: Mapping[int, str | None] | None,
                 kernel_ratios: Sequence[int], rank: int, tp: int, conv_layout: str,
                 conv_sections: Sequence[tuple[str, int, int]] | None) -> dict[str, LayerView]:

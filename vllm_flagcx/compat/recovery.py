@@ -40,6 +40,7 @@ from typing import Any
 
 from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.probe import resolve
+from vllm_flagcx.compat.vllm_types import VllmRequest
 
 NATIVE = "native"
 SCHEDULER_FAILED_SET = "scheduler_failed_set"
@@ -94,7 +95,7 @@ class LoadFailureRecovery:
         self.mode = recovery_mode(type(scheduler) if scheduler is not None else None)
         self._scheduler = weakref.ref(scheduler) if scheduler is not None else None
 
-    def recompute(self, request: Any) -> bool:
+    def recompute(self, request: VllmRequest) -> bool:
         """Mark ``request`` (still waiting for its KV) to recompute from a clean block
         table; False when this build or state offers no such path (nothing changed)."""
         if self.mode != SCHEDULER_FAILED_SET or self._scheduler is None:

@@ -35,6 +35,7 @@ from vllm_flagcx.compat.connector_api import (
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike, VllmRequest
 from vllm_flagcx.connector.common.metadata import FlagCXMetadataPayload, RequestId
 from vllm_flagcx.connector.common.settings import (
     ConnectorSettings,
@@ -81,7 +82,7 @@ class FlagCXWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc, val
 _LOGGED: set[str] = set()
 
 
-def log_capabilities_once(vllm_config: Any, engine_id: str, group_kinds: list[str]) -> None:
+def log_capabilities_once(vllm_config: object, engine_id: str, group_kinds: list[str]) -> None:
     """One line with what was resolved: a silent capability change is a bug."""
     if engine_id in _LOGGED:
         return
@@ -111,7 +112,8 @@ def side_channel_base(base_port: int, dp_rank: int, tp_size: int) -> int:
 class FlagCXConnector(PortableConnectorBase):
     """Prefill/decode KV connector over FlagCX (HMA-aware: one block list per group)."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: Any, role: object,
+                 kv_cache_config: KVCacheConfigLike | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         adopt_vllm_logging()
         require_hma_for_mamba(vllm_config, kv_cache_config)
@@ -147,7 +149,8 @@ class FlagCXConnector(PortableConnectorBase):
         self._failures_per_request = reports_failures_per_request(
             compat_kv.group_facts(kv_cache_config) if kv_cache_config else [])
 
-    def _make_scheduler(self, vllm_config: Any, kv_cache_config: Any) -> SchedulerHalf:
+    def _make_scheduler(self, vllm_config: Any, kv_cache_config: KVCacheConfigLike | None
+                        ) -> SchedulerHalf:
         """The scheduler half; vLLM's Scheduler is constructing us, so it is found now
         (``compat.recovery`` says why). A decode of a sliding-window model on a build with
         no clean recompute path is refused here, naming the fix."""
@@ -180,7 +183,7 @@ class FlagCXConnector(PortableConnectorBase):
                                "connector (vLLM builds one of each role)")
         return self.scheduler
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: VllmRequest) -> None:
         """vLLM 0.22+ calls this first for a new request (0.34: before its own code reads
         ``kv_transfer_params`` as a mapping): non-object params (reachable through
         ``vllm_xargs``) are dropped here with a warning instead of crashing the engine, and
@@ -188,23 +191,23 @@ class FlagCXConnector(PortableConnectorBase):
         if self.scheduler is not None:
             self.scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: VllmRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self._scheduler_half().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
+    def update_state_after_alloc(self, request: VllmRequest, blocks: Any,
                                  num_external_tokens: int) -> None:
         self._scheduler_half().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: object) -> KVConnectorMetadata:
         return FlagCXConnectorMetadata(
             self._scheduler_half().build_payload(idle=step_computes_nothing(scheduler_output)))
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: VllmRequest, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, object] | None]:
         return self._scheduler_half().request_finished(request, block_ids)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: object) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._scheduler_half().update_connector_output(
             getattr(connector_output, "finished_sending", None),
@@ -216,7 +219,7 @@ class FlagCXConnector(PortableConnectorBase):
             self.scheduler.on_preemptions(req_ids)
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: object) -> str | None:
         from vllm_flagcx.compat.attention import required_kv_layout_name
 
         model = getattr(vllm_config, "model_config", None)
@@ -278,7 +281,7 @@ class FlagCXConnector(PortableConnectorBase):
             host_memory=host_memory, secret=self._key is not None))
         warn_on_cpu_binding(host_memory)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: object, **kwargs: object) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, FlagCXConnectorMetadata):
             self.worker.start_step(meta.payload)
@@ -286,8 +289,8 @@ class FlagCXConnector(PortableConnectorBase):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: object, attn_metadata: object,
+                      **kwargs: object) -> None:
         return None
 
     def wait_for_save(self) -> None:
@@ -334,11 +337,11 @@ class FlagCXConnector(PortableConnectorBase):
         return None if stats.is_empty() else stats
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+    def build_kv_connector_stats(cls, data: dict[str, object] | None = None) -> Any:
         return SummedConnectorStats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+    def build_prom_metrics(cls, vllm_config: object, metric_types: dict[type, type],
                            labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
         return FlagCXPromMetrics(vllm_config, metric_types, labelnames,

@@ -32,6 +32,7 @@ from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike, VllmRequest
 from vllm_flagcx.connector.common.metadata import (
     FlagCXMetadataPayload,
     RecvTask,
@@ -68,7 +69,7 @@ class SchedulerSettings:
 MAX_YIELDS = 5000  # scheduler lookups a failed load's request lets block holders go first
 
 
-def _holds_and_waits(request: Any, load_failed: bool) -> bool:
+def _holds_and_waits(request: VllmRequest, load_failed: bool) -> bool:
     """Does this decode request hold blocks without running yet? By vLLM's RequestStatus
     name (the same on every build): a load in flight, or done and not yet scheduled; a
     failed load only until vLLM frees its blocks (it is WAITING again, holding none)."""
@@ -97,7 +98,7 @@ def clip_to_window(block_ids: list[int], window_tokens: int | None, block_size: 
 
 
 class SchedulerHalf:
-    def __init__(self, settings: SchedulerSettings, kv_cache_config: Any,
+    def __init__(self, settings: SchedulerSettings, kv_cache_config: KVCacheConfigLike | None,
                  recovery: LoadFailureRecovery | None = None) -> None:
         self.settings = settings
         self.groups = compat_kv.group_facts(kv_cache_config) if kv_cache_config else []
@@ -119,16 +120,16 @@ class SchedulerHalf:
                                           key=settings.key)
 
     # -------------------------------------------------------------------- decode side
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: VllmRequest) -> None:
         """A request entered the engine (vLLM 0.22+). Decode: its prefill hears at once that
         decode has it (a heartbeat), which turns prefill's short first lease into the full
         one; builds without this hook send it when vLLM first schedules the request."""
         remote = self._remote(request)
         if remote is not None:
-            self.loads.match(request.request_id, request, remote, 0)
+            self.loads.match(RequestId(request.request_id), request, remote, 0)
             self.heartbeats.wake()
 
-    def _params(self, request: Any) -> Mapping[str, Any]:
+    def _params(self, request: VllmRequest) -> Mapping[str, Any]:
         """The request's ``kv_transfer_params`` when they are an object, read and never
         changed. Anything else (reachable through ``vllm_xargs``) is ignored with a warning
         and replaced by None, the one write: vLLM 0.34's own ``add_request`` calls
@@ -146,7 +147,7 @@ class SchedulerHalf:
         logger.warning("request %s: %s; computing it locally", request_id, why)
         self._refused[request_id] = why
 
-    def _remote(self, request: Any) -> RemotePrefill | None:
+    def _remote(self, request: VllmRequest) -> RemotePrefill | None:
         """What decode loads this request's KV from, parsed once per request; None for
         none, refused params, or once the load was planned (never load twice)."""
         request_id = request.request_id
@@ -163,9 +164,9 @@ class SchedulerHalf:
         self._remotes[request_id] = remote
         return remote
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: VllmRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if self._yields(request.request_id):
+        if self._yields(RequestId(request.request_id)):
             return None, False  # "not yet": vLLM skips it this step (every build >= 0.13)
         params = self._params(request)
         if wire_params.wants_remote_decode(params) and self.has_mamba:
@@ -183,12 +184,12 @@ class SchedulerHalf:
                            remote.remote_num_tokens, request.num_prompt_tokens)
             return 0, False
         count = wanted - num_computed_tokens
-        self.loads.match(request.request_id, request, remote, num_computed_tokens)
+        self.loads.match(RequestId(request.request_id), request, remote, num_computed_tokens)
         if count > 0:  # until its blocks are allocated, the heartbeat keeps the lease
             self.heartbeats.wake()
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
+    def update_state_after_alloc(self, request: VllmRequest, blocks: Any,
                                  num_external_tokens: int) -> None:
         remote = self._remote(request)
         if remote is None:
@@ -196,11 +197,11 @@ class SchedulerHalf:
         self._remotes[request.request_id] = None  # planned (or a local hit): never twice
         if num_external_tokens <= 0:
             # Everything was a local hit: prefill still holds blocks; free them there.
-            self.loads.drop(request.request_id)
+            self.loads.drop(RequestId(request.request_id))
             self._pending.release[remote.transfer_id] = remote
             return
         per_group = compat_blocks.unhashed_block_ids_all_groups(blocks)
-        local_hit = self.loads.plan(request.request_id, request, remote)
+        local_hit = self.loads.plan(RequestId(request.request_id), request, remote)
         ids, offsets = [], []
         for facts, group in zip(self.groups, per_group, strict=True):
             group = compat_blocks.strip_null_blocks(group)
@@ -209,8 +210,9 @@ class SchedulerHalf:
             ids.append(group)
             full = facts.kind in (SpecKind.FULL_ATTENTION, SpecKind.MLA)
             offsets.append(local_hit // facts.block_size if full else None)
-        self._pending.recv[request.request_id] = RecvTask(
-            request.request_id, remote, ids, num_external_tokens, offsets, time.monotonic())
+        rid = RequestId(request.request_id)
+        self._pending.recv[rid] = RecvTask(rid, remote, ids, num_external_tokens, offsets,
+                                           time.monotonic())
 
     # -------------------------------------------------------------------- both sides
     def build_payload(self, idle: bool = False) -> FlagCXMetadataPayload:
@@ -224,13 +226,13 @@ class SchedulerHalf:
     def on_preemptions(self, req_ids: set[str]) -> None:
         self._pending.preempted_req_ids |= {RequestId(r) for r in req_ids}
 
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: VllmRequest, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, object] | None]:
         params = self._params(request)
         unplanned = self._remote(request)  # still to load (parsed here if never before)
         self._remotes.pop(request.request_id, None)
         refused = self._refused.pop(request.request_id, None)
-        ended = self.loads.end_request(request.request_id)
+        ended = self.loads.end_request(RequestId(request.request_id))
         phase, awaited = ended if ended is not None else (None, None)
         loading = phase in (LoadPhase.PLANNED, LoadPhase.PULLING)
         if unplanned is not None or loading:
@@ -239,7 +241,7 @@ class SchedulerHalf:
             if remote is not None:
                 self._pending.release[remote.transfer_id] = remote
             if phase is not LoadPhase.PULLING:
-                self._pending.recv.pop(request.request_id, None)
+                self._pending.recv.pop(RequestId(request.request_id), None)
                 return False, None  # no worker was told to pull: nothing can be in flight
             # A pull may be writing into these blocks right now: keep them (KEPT). Every
             # dispatched pull ends (done, failed or timed out) in finished_recving, which
@@ -272,14 +274,14 @@ class SchedulerHalf:
             num_tokens=request.num_prompt_tokens)
         if not any(ids):
             return False, out
-        task = SendTask(request.request_id, transfer_id, ids,
+        task = SendTask(RequestId(request.request_id), transfer_id, ids,
                         time.monotonic() + self.settings.first_lease_seconds)
         self.held.hold(task)
-        self._pending.send[request.request_id] = task
+        self._pending.send[RequestId(request.request_id)] = task
         return True, out
 
     @staticmethod
-    def _finished_by_length(request: Any) -> bool:
+    def _finished_by_length(request: VllmRequest) -> bool:
         status = getattr(request, "status", None)
         return getattr(status, "name", "") == "FINISHED_LENGTH_CAPPED"
 

@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from vllm_flagcx.compat.plugin import plugins_note
 from vllm_flagcx.demo import model as demo_model
@@ -38,17 +37,17 @@ PROMPTS = (
 
 
 def kv_config(role: str, side_channel_port: int, test_faults: bool = False,
-              by_name: bool = False) -> dict[str, Any]:
+              by_name: bool = False) -> dict[str, object]:
     """``test_faults``: decode honours ``kv_transfer_params.flagcx_test_fault`` (the e2e
     tests' negative controls; ``connector.fault_knobs``). ``by_name``: the connector is
     found by its registered name alone (the ``vllm.general_plugins`` entry point), as a
     user who copies the design note's JSON has it; else by module path (every build)."""
     # the demo logs every load's timeline (wire.timeline): it prints where the time went
-    extra: dict[str, Any] = {"transport": "local", "side_channel_port": side_channel_port,
+    extra: dict[str, object] = {"transport": "local", "side_channel_port": side_channel_port,
                              "log_timelines": True}
     if test_faults:
         extra["test_faults"] = True
-    config: dict[str, Any] = {"kv_connector": "FlagCXConnector", "kv_role": role,
+    config: dict[str, object] = {"kv_connector": "FlagCXConnector", "kv_role": role,
                               "kv_connector_extra_config": extra}
     if not by_name:
         config["kv_connector_module_path"] = "vllm_flagcx.connector"
@@ -213,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -194,7 +194,7 @@ def class_cache_root() -> Path:
 
 
 def vllm_server(name: str, python: str, model: Path, port: int, log: Path,
-                kv_config: dict[str, Any] | None, extra: list[str] | None = None,
+                kv_config: dict[str, object] | None, extra: list[str] | None = None,
                 cpus: str = "auto", dtype: str = "bfloat16", cpu_isa: str = "vec",
                 max_model_len: int = 1024) -> Server:
     """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; also
@@ -311,7 +311,7 @@ def signals_ignored() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, Any]:
+def post_json(url: str, body: dict[str, object], timeout: float = 300) -> tuple[int, Any]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:

@@ -50,7 +50,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"request body: {name} is not JSON (RFC 8259 has no NaN or Infinity)")
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes) -> dict[str, object]:
     """The request body as a JSON object, strictly: what the router cannot forward as
     valid JSON (NaN, Infinity, a lone surrogate, nesting deeper than Python parses) is a
     400 naming the problem, and ``stream`` must be a JSON boolean (the string "false"
@@ -108,7 +108,7 @@ def build_app(proxy: Proxy) -> FastAPI:
             return JSONResponse({"error": {"message": f"router: {type(exc).__name__}: {exc}",
                                            "type": "router_error", "code": 500}}, 500)
 
-    async def _serve(path: str, request: Request, body: dict[str, Any]) -> Response:
+    async def _serve(path: str, request: Request, body: dict[str, object]) -> Response:
         try:
             flow = await _or_disconnect(request, proxy.start(path, body))
         except LegError as exc:
@@ -164,7 +164,7 @@ def build_app(proxy: Proxy) -> FastAPI:
         return JSONResponse(report, status_code=200 if healthy else 503)
 
     @app.get("/stats")
-    async def stats() -> dict[str, Any]:
+    async def stats() -> dict[str, object]:
         return {"uptime_s": round(time.time() - started, 1), "mode": proxy.settings.mode,
                 "counters": dict(proxy.counters),
                 "prefill": [i.snapshot() for i in proxy.prefill.instances],

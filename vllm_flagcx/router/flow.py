@@ -21,7 +21,7 @@ from vllm_flagcx.wire import timeline
 
 logger = logging.getLogger("vllm_flagcx.router")
 # (path, body, prefill's params, the flow's marks) -> decode's instance and response
-Json = dict[str, Any]  # a request body or kv_transfer_params, as the router relays it
+Json = dict[str, object]  # a request body or kv_transfer_params, as the router relays it
 OpenDecode = Callable[[str, Json, Json | None, dict[str, float]],
                       Awaitable[tuple[Instance, httpx.Response]]]
 

@@ -32,7 +32,7 @@ class LegError(Exception):
         super().__init__(message)
         self.status, self.leg, self.instance, self.upstream = status, leg, instance, upstream
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         error = {"message": f"{self.leg} {self.instance}: {self}", "type": f"{self.leg}_error",
                  "code": self.status}
         if self.upstream is not None:
@@ -85,8 +85,8 @@ def prompt_token_ids(answer: Mapping[str, object]) -> list[int] | None:
     return ids
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str,
-                 want_prompt_ids: bool = False) -> dict[str, Any]:
+def prefill_body(body: dict[str, object], transfer_id: str,
+                 want_prompt_ids: bool = False) -> dict[str, object]:
     """The prefill leg's request: one token, not streamed, always length capped; with
     ``want_prompt_ids``, asking for the prompt's token ids (``return_token_ids``)."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
@@ -103,7 +103,7 @@ def prefill_body(body: dict[str, Any], transfer_id: str,
 
 def advertised_side_channel_problem(prefill_url_host: str, given_port: int | None,
                                     decode_hosts: list[str],
-                                    params: dict[str, Any] | None) -> str | None:
+                                    params: dict[str, object] | None) -> str | None:
     """Why decode could not reach (or would reach the wrong) prefill side channel that
     prefill's returned ``kv_transfer_params`` name, or None. Sequential mode: what the
     operator told the router (``--prefill URL SIDE_CHANNEL_PORT``, the seed's form) must
@@ -131,7 +131,7 @@ def advertised_side_channel_problem(prefill_url_host: str, given_port: int | Non
 
 
 def check_advertised(prefill: Instance, decodes: list[Instance],
-                     params: dict[str, Any] | None) -> None:
+                     params: dict[str, object] | None) -> None:
     """LegError 502 naming prefill when ``advertised_side_channel_problem`` finds one."""
     problem = advertised_side_channel_problem(
         prefill.host, prefill.side_channel_port, [d.host for d in decodes], params)
@@ -140,8 +140,8 @@ def check_advertised(prefill: Instance, decodes: list[Instance],
         raise LegError(502, "prefill", prefill.url, problem)
 
 
-def decode_body(body: dict[str, Any], params: dict[str, Any] | None,
-                prompt_ids: list[int] | None = None) -> dict[str, Any]:
+def decode_body(body: dict[str, object], params: dict[str, object] | None,
+                prompt_ids: list[int] | None = None) -> dict[str, object]:
     """The decode leg's request: the client's own, with prefill's ``kv_transfer_params``;
     with ``prompt_ids``, its prompt as those token ids (the very tokens prefill computed
     the KV for). Why: decode's API server otherwise tokenizes the text again on the
@@ -156,7 +156,7 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None,
     return out
 
 
-def json_object(response: httpx.Response, leg: str, url: str) -> dict[str, Any]:
+def json_object(response: httpx.Response, leg: str, url: str) -> dict[str, object]:
     """A 200 answer's JSON object; LegError 502 naming the leg when it is anything else
     (garbage from an upstream is that upstream's failure, not the router's 500)."""
     try:

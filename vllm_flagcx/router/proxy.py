@@ -24,7 +24,6 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
 
 import httpx
 
@@ -107,7 +106,7 @@ class Proxy:
         return instance, answer
 
     def held_params(self, instance: Instance, answer: Mapping[str, object], transfer_id: str
-                    ) -> dict[str, Any] | None:
+                    ) -> dict[str, object] | None:
         """The ``kv_transfer_params`` prefill returned for decode, or None (counted and
         logged: decode then computes the prompt itself)."""
         params = answer.get("kv_transfer_params")
@@ -121,7 +120,7 @@ class Proxy:
                        instance.url, transfer_id)
         return None
 
-    async def concurrent_params(self, instance: Instance, transfer_id: str) -> dict[str, Any]:
+    async def concurrent_params(self, instance: Instance, transfer_id: str) -> dict[str, object]:
         """Decode's params before prefill answered, from the prefill's own fact sheet."""
         if instance.url not in self._sheets:
             import zmq
@@ -152,8 +151,8 @@ class Proxy:
             transfer_id=transfer_id, host=instance.host, port=instance.side_channel_port,
             tp_size=tp_size, engine_id=engine_id, block_sizes=block_sizes)
 
-    async def open_decode(self, path: str, body: dict[str, Any],
-                          params: dict[str, Any] | None, marks: dict[str, float] | None = None,
+    async def open_decode(self, path: str, body: dict[str, object],
+                          params: dict[str, object] | None, marks: dict[str, float] | None = None,
                           prompt_ids: list[int] | None = None
                           ) -> tuple[Instance, httpx.Response]:
         """Send the decode leg; returns the open (streamed) response once headers came."""
@@ -191,23 +190,26 @@ class Proxy:
             if not handed_over:
                 instance.in_flight -= 1
 
-    async def release(self, params: dict[str, Any] | None) -> None:
+    async def release(self, params: dict[str, object] | None) -> None:
         """Free what prefill holds for a request nobody will decode."""
         if not params or "remote_port" not in params:
             return
         from vllm_flagcx.wire.client import release_transfer
 
+        try:  # prefill's answer, untrusted: only what parses is released
+            remote = params_schema.parse_remote_prefill(params)
+        except params_schema.TransferParamsError:
+            return
         errors = await asyncio.to_thread(
-            release_transfer, str(params.get("remote_host")), int(params["remote_port"]),
-            int(params.get("remote_tp_size", 1)), str(params.get("transfer_id")),
-            self.settings.release_timeout, self.settings.key)
+            release_transfer, remote.remote_host, remote.remote_port, remote.remote_tp_size,
+            remote.transfer_id, self.settings.release_timeout, self.settings.key)
         self.counters["released"] += 1
         if errors:
             logger.info("release of %s not acknowledged (%s); prefill's lease frees it",
                         params.get("transfer_id"), "; ".join(errors))
 
     # ------------------------------------------------------------------ one request
-    async def start(self, path: str, body: dict[str, Any]) -> Flow:
+    async def start(self, path: str, body: dict[str, object]) -> Flow:
         """Both legs up to decode's response headers; raises LegError."""
         self.counters["requests"] += 1
         flow = Flow(self.release, self.open_decode, self.counters,
@@ -248,7 +250,7 @@ class Proxy:
             raise
         return flow
 
-    async def _sequential_prefill(self, path: str, body: dict[str, Any], flow: Flow
+    async def _sequential_prefill(self, path: str, body: dict[str, object], flow: Flow
                                   ) -> tuple[dict[str, object], list[int] | None]:
         """Prefill's leg, then what decode is sent: (its body, the prompt's token ids to
         put in it). With the first token seeded (``first_token``), decode's body already

@@ -31,7 +31,6 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -43,7 +42,7 @@ FACADE_FAILED = -1  # what every flagcxP2pRpc* facade call returns on any failur
 
 _u64 = ctypes.c_uint64
 _p = ctypes.c_void_p
-SYMBOLS: dict[str, tuple[Any, list[Any]]] = {
+SYMBOLS: dict[str, tuple[object, list[object]]] = {
     "flagcxGetVersion": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
     "flagcxGetErrorString": (ctypes.c_char_p, [ctypes.c_int]),
     "flagcxP2pRpcEngineCreate": (_p, []),
@@ -56,7 +55,7 @@ SYMBOLS: dict[str, tuple[Any, list[Any]]] = {
                                                   ctypes.POINTER(_u64), ctypes.POINTER(_u64)]),
 }
 # Used where present (absent from every release so far): registration of host memory.
-OPTIONAL_SYMBOLS: dict[str, tuple[Any, list[Any]]] = {
+OPTIONAL_SYMBOLS: dict[str, tuple[object, list[object]]] = {
     "flagcxP2pRpcRegisterHost": (ctypes.c_int, [_p, _u64, _u64, ctypes.POINTER(_u64)]),
 }
 
@@ -170,7 +169,7 @@ class _Conn:
     session: str
 
 
-def _ptr(a: np.ndarray) -> Any:
+def _ptr(a: np.ndarray) -> object:
     return a.ctypes.data_as(ctypes.POINTER(_u64))
 
 
@@ -226,7 +225,7 @@ class FlagCXTransport(Transport):
         """``GetConn`` in a helper thread, bounded by ``connect_timeout`` (the engine blocks
         ~25 s on a dead peer; a late answer is abandoned, the caller fails now)."""
         session = peer.decode(errors="replace")
-        result: list[Any] = []
+        result: list[int | None] = []
         worker = threading.Thread(
             target=lambda: result.append(self.library.lib.flagcxP2pRpcGetConn(self.engine,
                                                                               peer)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import NewType, TypeVar
 
 
 class TransferParamsError(ValueError):
@@ -37,7 +37,10 @@ class RemotePrefill:
     remote_num_tokens: int | None = None
 
 
-def _require(params: Mapping[str, Any], key: str, kind: type, fix: str) -> Any:
+_T = TypeVar("_T")
+
+
+def _require(params: Mapping[str, object], key: str, kind: type[_T], fix: str) -> _T:
     if key not in params:
         raise TransferParamsError(f"kv_transfer_params.{key} is missing; {fix}")
     value = params[key]
@@ -72,7 +75,7 @@ def loopback_hint(host: str) -> str:
             "address this host can reach")
 
 
-def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
+def parse_remote_prefill(params: Mapping[str, object]) -> RemotePrefill:
     """Validate decode-side params (``do_remote_prefill``) from the router."""
     if not isinstance(params, Mapping):
         raise TransferParamsError(f"kv_transfer_params must be an object, got "
@@ -106,7 +109,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     if not isinstance(fault, str):
         raise TransferParamsError("kv_transfer_params.flagcx_test_fault must be a string "
                                   "(tests only)")
-    return RemotePrefill(transfer_id, host, port, tp, engine, tuple(sizes), fault, held)
+    return RemotePrefill(TransferId(transfer_id), host, port, tp, engine, tuple(sizes), fault, held)
 
 
 REMOTE_PREFILL = "do_remote_prefill"  # decode: load this request's KV from prefill
@@ -137,7 +140,7 @@ BOOTSTRAP_LEG_REFUSAL = (
     "--kv-connector nixl (its default), llm-d --kv-connector=nixlv2, or vllm-flagcx router")
 
 
-def is_bootstrap_leg(params: Mapping[str, Any]) -> bool:
+def is_bootstrap_leg(params: Mapping[str, object]) -> bool:
     """A prefill leg of the Mooncake-style contract (see ``OUR_LEG``): NIXL-mode routers
     send no transfer id, ours marks its legs."""
     return params.get("transfer_id") is not None and params.get(OUR_LEG) is not True
@@ -149,11 +152,11 @@ def not_loaded_params(reason: str) -> dict[str, object]:
     return {NOT_LOADED: reason[:1000]}
 
 
-def wants_remote_prefill(params: Mapping[str, Any]) -> bool:
+def wants_remote_prefill(params: Mapping[str, object]) -> bool:
     return bool(params.get(REMOTE_PREFILL))
 
 
-def wants_remote_decode(params: Mapping[str, Any]) -> bool:
+def wants_remote_decode(params: Mapping[str, object]) -> bool:
     return bool(params.get(REMOTE_DECODE))
 
 
@@ -173,7 +176,7 @@ def prefill_leg_params(transfer_id: str, seeded: bool = False) -> dict[str, obje
 
 def remote_prefill_params(*, transfer_id: str, host: str, port: int, tp_size: int,
                           engine_id: str, block_sizes: tuple[int, ...],
-                          num_tokens: int | None = None) -> dict[str, Any]:
+                          num_tokens: int | None = None) -> dict[str, object]:
     """What prefill returns for decode (``request_finished_all_groups``); the router's
     concurrent mode builds the same from prefill's fact sheet before prefill answers
     (without ``num_tokens``: prefill has not run yet)."""

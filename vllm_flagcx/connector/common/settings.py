@@ -23,7 +23,7 @@ class SettingsError(ValueError):
     """A ``kv_connector_extra_config`` value the connector cannot use."""
 
 
-def _bool(key: str, value: Any) -> bool:
+def _bool(key: str, value: object) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
@@ -35,10 +35,10 @@ def _bool(key: str, value: Any) -> bool:
     raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use true or false")
 
 
-def _seconds(key: str, value: Any) -> float:
+def _seconds(key: str, value: object) -> float:
     try:
-        number = float(value)
-    except (TypeError, ValueError):
+        number = float(value) if isinstance(value, (int, float, str)) else math.nan
+    except ValueError:
         number = math.nan
     if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
         raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a number of "
@@ -57,7 +57,7 @@ def _seconds_or_off(key: str, value: object) -> float:
                             "seconds >= 0 (0: off)") from None
 
 
-def _port(key: str, value: Any) -> int:
+def _port(key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a TCP port "
                             "1..65535")
@@ -71,15 +71,15 @@ def _port(key: str, value: Any) -> int:
     return port
 
 
-def _text(key: str, value: Any) -> str:
+def _text(key: str, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use a non-empty "
                             "string")
     return value.strip()
 
 
-def _choice(*allowed: str) -> Callable[[str, Any], str]:
-    def check(key: str, value: Any) -> str:
+def _choice(*allowed: str) -> Callable[[str, object], str]:
+    def check(key: str, value: object) -> str:
         if value not in allowed:
             raise SettingsError(f"kv_connector_extra_config.{key}={value!r}: use one of "
                                 f"{', '.join(allowed)}")
@@ -90,7 +90,7 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
 # ``transport``: "auto" or a built-in transport (``transport_choice.BUILT_IN``, one each)
 TRANSPORT_NAMES = ("auto", "flagcx", "local")
 
-KEYS: dict[str, Callable[[str, Any], Any]] = {
+KEYS: dict[str, Callable[[str, object], object]] = {
     "transport": _choice(*TRANSPORT_NAMES),
     "transport_factory": _text,
     "flagcx_library": _text,

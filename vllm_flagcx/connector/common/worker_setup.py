@@ -14,12 +14,16 @@ from typing import Any
 
 from vllm_flagcx.compat import config as compat_config
 from vllm_flagcx.compat import kv_cache as compat_kv
-from vllm_flagcx.compat.kv_cache import SpecKind
+from vllm_flagcx.compat.kv_cache import GroupFacts, SpecKind
+from vllm_flagcx.compat.kv_views import LayerView
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike
+from vllm_flagcx.layout.regions import Region
+from vllm_flagcx.wire import handshake as hs
 
 logger = logging.getLogger("vllm_flagcx")
 
 
-def attention_dims(vllm_config: Any, kv_cache_config: Any) -> dict[int, str | None]:
+def attention_dims(vllm_config: Any, kv_cache_config: KVCacheConfigLike) -> dict[int, str | None]:
     """Per attention group, the dimensions its backend declares
     (``compat.attention.layer_attention_dims``)."""
     from vllm_flagcx.compat.attention import layer_attention_dims
@@ -28,8 +32,8 @@ def attention_dims(vllm_config: Any, kv_cache_config: Any) -> dict[int, str | No
             for i, g in compat_kv.attention_groups(kv_cache_config)}
 
 
-def kv_cache_regions(vllm_config: Any, kv_cache_config: Any, tp_size: int,
-                     kv_caches: dict[str, Any], dims: dict[int, str | None]) -> list[Any]:
+def kv_cache_regions(vllm_config: Any, kv_cache_config: KVCacheConfigLike, tp_size: int,
+                     kv_caches: dict[str, Any], dims: dict[int, str | None]) -> list[Region]:
     """Regions of every registered cache tensor, each attention group's K/V taken from
     the dimensions its backend declares (``dims``, from ``attention_dims``)."""
     from vllm_flagcx.compat import kv_layout
@@ -42,9 +46,9 @@ def kv_cache_regions(vllm_config: Any, kv_cache_config: Any, tp_size: int,
         compat_config.gdn_conv_split(model.hf_config, tp_size), dims)
 
 
-def kv_cache_views(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, Any],
-                   dims: dict[int, str | None], regions: list[Any], tp_size: int
-                   ) -> dict[str, Any]:
+def kv_cache_views(vllm_config: Any, kv_cache_config: KVCacheConfigLike, kv_caches: dict[str, Any],
+                   dims: dict[int, str | None], regions: list[Region], tp_size: int
+                   ) -> dict[str, LayerView]:
     """Each layer as vLLM indexes it (attention and Mamba/GDN state), for the full
     logical digest (``compat.kv_views``)."""
     from vllm_flagcx.compat import mamba as compat_mamba
@@ -60,7 +64,8 @@ def kv_cache_views(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, 
                        compat_mamba.conv_state_layout(), split.parts if split else None)
 
 
-def attention_cache_format(vllm_config: Any, kv_cache_config: Any, groups: list[Any]) -> str:
+def attention_cache_format(vllm_config: Any, kv_cache_config: KVCacheConfigLike,
+                           groups: list[GroupFacts]) -> str:
     """``compat.attention.cache_format`` of the attention layers ("none" without)."""
     from vllm_flagcx.compat.attention import cache_format
 
@@ -73,11 +78,11 @@ def attention_cache_format(vllm_config: Any, kv_cache_config: Any, groups: list[
                         int(getattr(spec, "head_size", 0)))
 
 
-def layout_facts(vllm_config: Any, kv_cache_config: Any, regions: list[Any]) -> Any:
+def layout_facts(vllm_config: Any, kv_cache_config: KVCacheConfigLike, regions: list[Region]
+                 ) -> hs.LayoutFacts:
     """The ``wire.handshake.LayoutFacts`` a peer's must match before any byte moves."""
     from vllm_flagcx.compat import mamba as compat_mamba
     from vllm_flagcx.layout.regions import kernel_ratios, model_page_bytes
-    from vllm_flagcx.wire import handshake as hs
 
     model = vllm_config.model_config
     groups = compat_kv.group_facts(kv_cache_config)

@@ -30,8 +30,8 @@ import enum
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
+from vllm_flagcx.compat.vllm_types import VllmRequest
 from vllm_flagcx.connector.common.metadata import RequestId
 from vllm_flagcx.wire.params import RemotePrefill
 
@@ -55,7 +55,7 @@ class LoadStateError(RuntimeError):
 class Load:
     """One decode request's load (see the module docstring)."""
 
-    request: Any  # vLLM's Request
+    request: VllmRequest
     remote: RemotePrefill
     phase: LoadPhase
     local_hit: int = 0  # prompt tokens decode had computed locally when matched
@@ -84,7 +84,7 @@ class Loads:
         slot = self.get(request_id)
         return slot.phase if slot else None
 
-    def match(self, request_id: RequestId, request: Any, remote: RemotePrefill,
+    def match(self, request_id: RequestId, request: VllmRequest, remote: RemotePrefill,
               local_hit: int) -> None:
         """vLLM asked (again) how many tokens come from prefill. Asking again before the
         blocks came (the pool was full) only updates the local hit."""
@@ -93,7 +93,7 @@ class Loads:
             raise LoadStateError(f"request {request_id} matched again while {slot.phase.value}")
         self._put(request_id, Load(request, remote, LoadPhase.MATCHED, local_hit))
 
-    def plan(self, request_id: RequestId, request: Any, remote: RemotePrefill) -> int:
+    def plan(self, request_id: RequestId, request: VllmRequest, remote: RemotePrefill) -> int:
         """Blocks allocated and the pull planned; the local hit it was matched with."""
         slot = self.get(request_id)
         if slot is not None and slot.phase is not LoadPhase.MATCHED:
@@ -127,7 +127,8 @@ class Loads:
             self._remove(request_id)
         return before, slot.remote
 
-    def fail(self, request_id: RequestId, vllm_frees: bool, yields: int) -> Any:
+    def fail(self, request_id: RequestId, vllm_frees: bool, yields: int
+             ) -> VllmRequest | None:
         """The workers reported this load failed: its Request (None when it is not loading:
         finished meanwhile, or unknown). ``vllm_frees``: vLLM frees its blocks and it
         waits to recompute, yielding to the block holders up to ``yields`` lookups."""
