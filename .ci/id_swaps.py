@@ -18,10 +18,13 @@ from vllm_flagcx.connector.prefill.sends import Sends
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.params import RemotePrefill
 
+from typing import Any
+
 r, t = RequestId("r"), TransferId("t")
+request: Any = None  # vLLM's Request
 remote = RemotePrefill(t, "h", 1, 1, "e", ())
-Loads().match(t, None, remote, 0)  # swap
-Loads().match(r, None, remote, 0)
+Loads().match(t, request, remote, 0)  # swap
+Loads().match(r, request, remote, 0)
 HeldSends().holds(r)  # swap
 HeldSends().holds(t)
 HeldSends().sent(t)  # swap

@@ -38,9 +38,9 @@ def test_prerelease_counts_as_its_release_for_api_gates():
 
 
 @pytest.mark.parametrize("raw", ["dev", "", "not-a-version"])
-def test_unparsable_is_dev(raw):
+def test_unparsable_is_read_as_a_dev_release_below_every_feature(raw):
     parsed = v.parse_vllm_version(raw)
-    assert parsed.is_dev
+    assert parsed.unreadable and parsed.version.is_devrelease
     assert not parsed.at_least("0.1")
 
 

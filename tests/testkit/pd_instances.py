@@ -29,7 +29,6 @@ from testkit.pd_caches import (
 )
 from testkit.transport_standin import FAULTS_KEY, Faults, MemmoveTransport
 from vllm_flagcx.compat import kv_cache, kv_layout, kv_views
-from vllm_flagcx.compat.connector_api import load_failure_fields, make_connector_output
 from vllm_flagcx.connector.entry import FlagCXWorkerMetadata
 from vllm_flagcx.connector.scheduler import reports_failures_per_request
 from vllm_flagcx.connector.worker import WorkerHalf, WorkerSettings, model_page_bytes
@@ -143,7 +142,7 @@ class Instance:
         failed_now = self.failed & done_r
         self.failed -= failed_now
         per_request = reports_failures_per_request(kv_cache.group_facts(self.ranks[0].config))
-        fields = load_failure_fields(failed=failed_now, invalid_blocks=invalid,
+        fields = harness.load_failure_fields(failed=failed_now, invalid_blocks=invalid,
                                      per_request=per_request,
                                      worker_meta=FlagCXWorkerMetadata(failed_now))
         if per_request and failed_now:
@@ -151,7 +150,7 @@ class Instance:
             # every build that has the field (0.34 too, next to failed_recving); dropped
             # by make_connector_output where the field is absent
             fields.setdefault("kv_connector_worker_meta", FlagCXWorkerMetadata(failed_now))
-        kv_out = make_connector_output(
+        kv_out = harness.make_connector_output(
             finished_sending=done_s or None, finished_recving=done_r or None, **fields)
         self.outputs.append(self.scheduler.update_from_output(
             out, harness.model_output(out, kv_connector_output=kv_out)))

@@ -212,3 +212,36 @@ def run_until_done(scheduler: Any, max_steps: int = 64) -> list[Any]:
         engine_out = scheduler.update_from_output(sched_out, model_output(sched_out))
         outputs.append(engine_out)
     raise AssertionError(f"scheduler still has requests after {max_steps} steps")
+
+
+def make_connector_output(**fields: Any) -> Any:
+    """A real ``KVConnectorOutput`` with only the fields this build has (what vLLM's
+    model runner hands the scheduler)."""
+    import dataclasses
+
+    from vllm_flagcx.compat.probe import resolve
+
+    cls = resolve("KVConnectorOutput")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in fields.items() if k in names})
+
+
+def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], per_request: bool,
+                        worker_meta: Any) -> dict[str, Any]:
+    """KVConnectorOutput fields that report failed receives as vLLM's model runner passes
+    them on, per build.
+
+    One KV cache group: block ids (vLLM's ``kv_load_failure_policy`` applies). Several
+    groups: block ids cannot be mapped back (vLLM unpacks one group, 0.34 raises), so the
+    failure goes per request: ``failed_recving`` (0.34) or our worker metadata (0.18+).
+    """
+    from vllm_flagcx.compat.capabilities import capabilities
+
+    if not per_request:  # connector.scheduler.reports_failures_per_request
+        return {"invalid_block_ids": set(invalid_blocks)}
+    mode = capabilities().hybrid_load_failure_report
+    if mode == "failed_recving":
+        return {"failed_recving": set(failed)}
+    if mode == "worker_meta" and failed:
+        return {"kv_connector_worker_meta": worker_meta}
+    return {}

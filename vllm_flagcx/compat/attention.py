@@ -30,12 +30,6 @@ def get_attn_backend(**kwargs: Any) -> Any:
     return selector(**accepted)
 
 
-def dropped_attn_backend_kwargs(kwargs: dict[str, object]) -> set[str]:
-    """Which of ``kwargs`` the installed ``get_attn_backend`` would ignore."""
-    params = inspect.signature(resolve("get_attn_backend")).parameters
-    return {k for k in kwargs if k not in params}
-
-
 def _dedup(backends: list[Any]) -> list[Any]:
     seen: dict[str, Any] = {}
     for backend in backends:

@@ -144,35 +144,6 @@ def role_is_scheduler(role: object) -> bool:
     return role == KVConnectorRole.SCHEDULER
 
 
-def make_connector_output(**fields: Any) -> Any:
-    """A real ``KVConnectorOutput`` with only the fields this build has."""
-    import dataclasses
-
-    cls = resolve("KVConnectorOutput")
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in fields.items() if k in names})
-
-
-def load_failure_fields(*, failed: set[str], invalid_blocks: set[int], per_request: bool,
-                        worker_meta: Any) -> dict[str, Any]:
-    """KVConnectorOutput fields that report failed receives in a way vLLM can act on.
-
-    One KV cache group: block ids (vLLM's ``kv_load_failure_policy`` applies). Several
-    groups: block ids cannot be mapped back (vLLM unpacks one group, 0.34 raises), so the
-    failure goes per request: ``failed_recving`` (0.34) or our worker metadata (0.18+).
-    """
-    from vllm_flagcx.compat.capabilities import capabilities
-
-    if not per_request:  # connector.scheduler.reports_failures_per_request
-        return {"invalid_block_ids": set(invalid_blocks)}
-    mode = capabilities().hybrid_load_failure_report
-    if mode == "failed_recving":
-        return {"failed_recving": set(failed)}
-    if mode == "worker_meta" and failed:
-        return {"kv_connector_worker_meta": worker_meta}
-    return {}
-
-
 def transfer_results(finished_sending: AbstractSet[str], finished_recving: AbstractSet[str],
                      failed_recving: AbstractSet[str]) -> Any:
     """A ``KVConnectorTransferResults`` (0.34), with failed receives reported per request."""

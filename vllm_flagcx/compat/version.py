@@ -54,10 +54,6 @@ class VllmVersion:
         """The string did not parse (read as ``0.0.0.dev0``): features must decide."""
         return self.version == Version(_DEV_FALLBACK)
 
-    @property
-    def is_dev(self) -> bool:
-        return self.raw == "dev" or self.version.is_devrelease
-
     def at_least(self, spec: str) -> bool:
         """True when the release is >= ``spec`` ("0.20" or "0.20.2").
 
