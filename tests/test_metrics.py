@@ -169,7 +169,7 @@ def test_every_panel_of_both_dashboards_shows_data_from_a_real_pd_run():
 
     import prometheus_client
     from testkit import dashboards, promql
-    from testkit import pd_instances as pd
+    from testkit import pd_harness as pd
     from testkit.pd_drive import run_pd
 
     port = pd.free_port()

@@ -211,9 +211,9 @@ def test_prefill_and_decode_on_different_backend_families_fail_the_request_by_na
 def eight_kv_heads(monkeypatch):
     """The test kit's caches, regions and views with 8 KV heads (Llama-3-8B class), the
     shape where a decode rank pulls from 3+ prefill ranks."""
-    from testkit import pd_caches, pd_drive, pd_instances
+    from testkit import pd_build, pd_caches, pd_drive
 
-    for module in (pd_caches, pd_drive, pd_instances):
+    for module in (pd_build, pd_caches, pd_drive):
         monkeypatch.setattr(module, "KV_HEADS", 8)
 
 

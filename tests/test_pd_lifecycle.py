@@ -70,8 +70,8 @@ def _check_bytes(p, d, records, conv_layout):
 @pytest.mark.parametrize("conv_layout", ["SD", "DS"])
 def test_hybrid_pd_bytes_equal(p_tp, d_tp, conv_layout):
     port = pd.free_port()
-    p = pd.build_instance("kv_producer", p_tp, port, conv_layout, seed=1)
-    d = pd.build_instance("kv_consumer", d_tp, port + 5, conv_layout, seed=2)
+    p = pd.build_instance("kv_producer", p_tp, port, conv_layout=conv_layout, seed=1)
+    d = pd.build_instance("kv_consumer", d_tp, port + 5, conv_layout=conv_layout, seed=2)
     try:
         records = pd.run_pd(p, d, prompts=[37, 16, 70])
         assert all(r["params"] and r["params"]["remote_tp_size"] == p_tp
@@ -93,8 +93,9 @@ def test_hybrid_on_the_triton_attention_layout_moves_the_same_bytes(conv_layout)
     """The H200 run's TRITON_ATTN hybrid case: attention (B, 2, N, H, D) with heads inside
     each token (NHD, whole blocks between equal TP sizes), GDN state in the same pages."""
     port = pd.free_port()
-    p = pd.build_instance("kv_producer", 1, port, conv_layout, seed=1, attn_layout="triton_nhd")
-    d = pd.build_instance("kv_consumer", 1, port + 5, conv_layout, seed=2,
+    p = pd.build_instance("kv_producer", 1, port, conv_layout=conv_layout, seed=1,
+                          attn_layout="triton_nhd")
+    d = pd.build_instance("kv_consumer", 1, port + 5, conv_layout=conv_layout, seed=2,
                           attn_layout="triton_nhd")
     try:
         records = pd.run_pd(p, d, prompts=[37, 16, 70])

@@ -14,8 +14,9 @@ import torch
 
 from testkit import cpu_platform  # noqa: F401 - first: spawned processes import it
 from testkit import vllm_harness as harness
+from testkit.pd_build import build_instance
 from testkit.pd_caches import KV_HEADS
-from testkit.pd_instances import Instance, build_instance
+from testkit.pd_instances import Instance
 from vllm_flagcx.layout.topology import head_range
 from vllm_flagcx.wire.params import prefill_leg_params
 

@@ -12,6 +12,7 @@ aggregator does) and feeds a real ``ModelRunnerOutput`` back to the scheduler.
 from __future__ import annotations
 
 from testkit import cpu_platform  # noqa: F401 - first: spawned processes import it
+from testkit.pd_build import InstanceOptions, build_instance  # noqa: F401 - re-exported
 from testkit.pd_caches import (  # noqa: F401 - re-exported
     ATTN_LAYOUTS,
     BLOCK,
@@ -49,7 +50,6 @@ from testkit.pd_drive import (  # noqa: F401 - re-exported
 from testkit.pd_instances import (  # noqa: F401 - re-exported
     EntryWorkers,
     Instance,
-    build_instance,
     free_port,
 )
 from testkit.transport_standin import Faults  # noqa: F401 - re-exported
