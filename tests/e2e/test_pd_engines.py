@@ -370,7 +370,10 @@ def test_pd_and_monolithic_first_and_second_token_on_cpu_engines(pd, capsys):
                 "ignore_eos": True}
         for side, url in (("pd", pd.router.url), ("mono", pd.prefill.url)):
             _, stamps = _streamed(url, body)
-            rows[side].append(stamps[:2])
+            # a server that fell behind its engine merges tokens into one event (vLLM's
+            # output collector): the 2nd token then arrived with the 1st (seen on a loaded
+            # 2-core CI machine, monolithic side)
+            rows[side].append(stamps[:2] if len(stamps) > 1 else stamps * 2)
     med = {side: [statistics.median(s[i] for s in got) * 1e3 for i in (0, 1)]
            for side, got in rows.items()}
     with capsys.disabled():
