@@ -135,9 +135,13 @@ class CudaDriver:
 
     def _kernel(self, ordinal: int) -> cuda_kernel.BatchedCopy | None:
         """The device's batched-copy kernel, built once; None when switched off or NVRTC is
-        missing (logged once, then one memcpy per descriptor)."""
+        missing (logged once, then one memcpy per descriptor). The device's context is made
+        current first: loading the module needs one, and a side-channel thread has none
+        (a build from there failed for good, and every write of that process copied one
+        descriptor at a time: measured 9-77 ms for what the kernel moves in ~0.3 ms)."""
         if os.environ.get(BATCHED_ENV, "1") == "0":
             return None
+        self.use_device(ordinal)
         with self._lock:
             if ordinal not in self._kernels:
                 try:
@@ -156,7 +160,6 @@ class CudaDriver:
         kernel = self._kernel(ordinal)
         if kernel is None:
             return None
-        self.use_device(ordinal)
         return kernel.digest(self._local.stream, tiles, ids, slots)
 
     def has_kernel(self, ordinal: int) -> bool:
@@ -173,7 +176,6 @@ class CudaDriver:
         outside was not copied. Why on the device: the host's bounds pass over 20,910
         descriptors cost ~90 us of numpy per write, more than half the copy's ~130 us on an
         H100; the kernel checks each descriptor against its regions for free."""
-        self.use_device(ordinal)
         kernel = self._kernel(ordinal)
         if kernel is None:
             raise CudaError("copy_checked needs the batched kernel (ask has_kernel first)")

@@ -88,6 +88,17 @@ def reader(host_memory: bool) -> Reader | None:
     return cuda.read_many if cuda is not None else None
 
 
+def build_kernels(address: int) -> None:
+    """Compile the CUDA kernels (the same-host copies, the gather, the digest) for the
+    device holding ``address`` now, at registration: built on first use they cost the
+    first request NVRTC's compile. Nothing where no CUDA driver is (other vendors)."""
+    from vllm_flagcx.transport import cuda_ipc
+
+    cuda = cuda_ipc.driver()
+    if cuda is not None and cuda.is_device(address):
+        cuda.has_kernel(cuda.device_of(address))
+
+
 def checksum(ranges: list[tuple[int, int]], read: Reader = read_host) -> int:
     """crc32 over memory ranges, in order."""
     crc = 0

@@ -42,6 +42,8 @@ def register(settings: WorkerSettings, transport: Transport, regions: list[Regio
     spans = storage_spans(regions)
     for address, size in spans:
         transport.register(address, size)
+    if not settings.host_memory and spans:
+        integrity.build_kernels(spans[0][0])
     sheet = hs.make_sheet(layout=settings.layout, engine_id=settings.engine_id,
                           incarnation=settings.incarnation, tp_size=settings.tp_size,
                           tp_rank=settings.tp_rank, transport=transport.name,
