@@ -107,6 +107,7 @@ def _unloaded(d: Any, sizes: tuple[int, ...], repeats: int, extra: dict[str, Any
         for side, samples in got.items():
             for i, name in enumerate(("ttft_ms", "second_token_ms", "tpot_ms")):
                 row[f"{side}_{name}"] = statistics.median(s[i] for s in samples) * 1e3
+                row[f"{side}_{name}_all"] = [round(s[i] * 1e3, 2) for s in samples]
         row["ttft_ratio"] = row["pd_ttft_ms"] / row["mono_ttft_ms"]
         row["second_token_gap_ms"] = row["pd_second_token_ms"] - row["mono_second_token_ms"]
         rows.append(row)

@@ -135,8 +135,18 @@ def test_greedy_seed_token_id_prompt_and_default_max_tokens_are_seeded():
 ])
 def test_an_answer_without_one_complete_token_is_not_seeded(answer):
     """A token ending inside a UTF-8 character cannot be shown alone (decode's detokenizer
-    would print the character's rest after it); odd answers are not guessed at."""
+    would print the character's rest after it); odd answers are not guessed at. Decode
+    gets the plain leg, and /stats counts it (a hybrid decode then computes the whole
+    prompt: prefill's recurrent state is after all N tokens, not N - 1)."""
     assert first_token.first_token(answer) is None
+    raw = json.dumps({"id": "cmpl-prefill", "created": 1, "model": "demo",
+                      "kv_transfer_params": {}, **answer}).encode()
+    with rs.upstream("prefill", raw_body=raw) as p, rs.upstream("decode", text="x y") as d, \
+            router([p], [d]) as (url, proxy):
+        assert httpx.post(url + "/v1/completions", json=SEEDABLE, timeout=10).status_code == 200
+    assert d.seen[0]["prompt"] == SEEDABLE["prompt"] and d.seen[0]["max_tokens"] == 8
+    assert proxy.counters["first_token_unusable"] == 1
+    assert proxy.counters["first_token_seeded"] == 0
 
 
 def test_the_cli_turns_it_off():

@@ -48,6 +48,7 @@ class Deployment:
             # the engines log at INFO, where the connector's start line is
             server.env["VLLM_LOGGING_LEVEL"] = "INFO"
         self.model = model
+        self.kind = kind
 
     def restart(self, server: sv.Server) -> None:
         server.stop()
@@ -97,22 +98,38 @@ def failures(server: sv.Server) -> float:
     return gauge(server, "vllm:flagcx_num_failed_transfers_total")
 
 
+def router_counter(d: Deployment, name: str) -> float:
+    return float(json.loads(sv.get_text(d.router.url + "/stats"))["counters"].get(name, 0))
+
+
 def assert_pd_equals_monolithic(d: Deployment, router_url: str | None = None) -> None:
     """For every demo prompt: the router -> prefill -> decode answer equals prefill's own
     (plain vLLM, no kv_transfer_params) token for token, bytes arrived at decode, and
     both engines end idle. ``router_url``: another router in front of the same engines
-    (default: ours)."""
+    (default: ours).
+
+    One exception, counted by our router: a first token that ends inside a UTF-8
+    character (the model's greedy pick on this CPU class) is not sent ahead, decode gets
+    the plain leg, and a hybrid decode computes the prompt itself (prefill's recurrent
+    state is after all N tokens; decode can use the one after N - 1 only). At least one
+    prompt must still move KV."""
+    moved_any = False
     for prompt in PROMPTS:
         before = demo_run.received(d.decode)
+        unusable = router_counter(d, "first_token_unusable") if router_url is None else 0.0
         via_pd = complete(router_url or d.router.url, prompt)
         assert via_pd.status_code == 200, via_pd.text
         moved, _ = demo_run.transfer_after(d.decode, before)
+        moved_any |= moved > 0
         mono = complete(d.prefill.url, prompt)
         assert via_pd.json()["choices"][0]["text"] == mono.json()["choices"][0]["text"], prompt
         if demo_run.decode_ran(mono.json()["usage"]["completion_tokens"]):
-            assert moved > 0, f"nothing arrived at decode for {prompt[:30]!r}"
+            fell_back = (router_url is None and d.kind == "hybrid"
+                         and router_counter(d, "first_token_unusable") > unusable)
+            assert moved > 0 or fell_back, f"nothing arrived at decode for {prompt[:30]!r}"
         elif router_url is None:  # an EOS at once: our router answers from prefill alone
             assert moved == 0, f"KV moved for {prompt[:30]!r}, whose answer is one token"
+    assert moved_any, "no prompt moved KV"
     wait_idle(d.prefill)
     wait_idle(d.decode)
 

@@ -262,6 +262,8 @@ class Proxy:
         p_instance, answer = await self.run_prefill(path, leg, flow.transfer_id, flow.marks)
         ids = prompt_token_ids(answer) if want_ids else None
         seed = first_token.first_token(answer) if seeded and ids is not None else None
+        if seeded and seed is None:  # prefill ran whole (seeded); decode gets the plain leg
+            self.counters["first_token_unusable"] += 1
         if seed is not None and seed.is_whole_answer(body):
             flow.seed, flow.whole_answer = seed, True
             self.counters["first_token_whole_answers"] += 1
