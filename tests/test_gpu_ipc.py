@@ -182,19 +182,25 @@ def test_a_side_channel_thread_writes_with_the_kernel_it_builds(decode_gpu, monk
     fresh = cuda_ipc.CudaDriver()
     monkeypatch.setattr(cuda_ipc, "driver", lambda: fresh)
     _host_checks_forbidden(monkeypatch)
-    _, _, d_base, _ = decode_gpu
+    from vllm_flagcx.transport.local import LocalTransport
+
+    conn, desc, d_base, nbytes = decode_gpu
     block, n = 4096, 64
     src, s_addr, d_addr = _scattered(decode_gpu, n, block, np.random.default_rng(13))
     torch.cuda.synchronize()
-    got: list[np.ndarray] = []
-    writer = threading.Thread(target=lambda: got.append(_write_and_fetch(
-        decode_gpu, src, s_addr, d_addr, np.full(n, block, dtype=np.uint64))))
+    p = LocalTransport()
+    p.register(src.data_ptr(), nbytes)  # at startup, on the engine's own thread
+    results = []
+    writer = threading.Thread(target=lambda: results.append(p.write(
+        p.connect(desc), s_addr, d_addr, np.full(n, block, dtype=np.uint64))))
     writer.start()
     writer.join(120)
-    assert got, "the write from a fresh thread failed (see the thread's traceback)"
+    assert results and results[0].ok, results or "the write raised (the thread's traceback)"
+    conn.send("bytes")
+    got = np.frombuffer(conn.recv(), dtype=np.uint8)
     s_off = (s_addr - np.uint64(src.data_ptr())).astype(np.int64) // block
     d_off = (d_addr - np.uint64(d_base)).astype(np.int64) // block
-    np.testing.assert_array_equal(got[0].reshape(-1, block)[d_off],
+    np.testing.assert_array_equal(got.reshape(-1, block)[d_off],
                                   src.cpu().numpy().reshape(-1, block)[s_off])
 
 
