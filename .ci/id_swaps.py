@@ -13,7 +13,7 @@ SWAPS = '''
 from vllm_flagcx.connector.common.metadata import RequestId, SendTask, TransferId
 from vllm_flagcx.connector.decode.ledger import FailureLedger
 from vllm_flagcx.connector.decode.loads import Loads
-from vllm_flagcx.connector.prefill.held import HeldSends
+from vllm_flagcx.connector.scheduler import HeldSends
 from vllm_flagcx.connector.prefill.sends import Sends
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.params import RemotePrefill

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.compat import blocks
-from vllm_flagcx.compat.blocks import HybridManagerRequired
+from vllm_flagcx.compat import kv_cache as blocks
+from vllm_flagcx.compat.kv_cache import HybridManagerRequired
 
 
 @pytest.fixture(scope="module")

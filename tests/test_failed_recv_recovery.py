@@ -22,9 +22,8 @@ from testkit import vllm_harness as harness
 from testkit.transport_standin import Faults
 from testkit.vllm_reads import failure_policy
 
-from vllm_flagcx.compat.blocks import strip_null_blocks
 from vllm_flagcx.compat.capabilities import capabilities
-from vllm_flagcx.compat.kv_cache import SpecKind, group_facts
+from vllm_flagcx.compat.kv_cache import SpecKind, group_facts, strip_null_blocks
 from vllm_flagcx.compat.recovery import NATIVE, SCHEDULER_FAILED_SET, recovery_probe
 
 FAILURES = {
@@ -164,7 +163,7 @@ def test_hybrid_prefix_caching_decode_is_refused_where_vllm_asserts():
     """0.22's scheduler asserts on remote loads in mamba_cache_mode="align" (what prefix
     caching selects for hybrid models): a decode instance is refused at startup naming the
     flag; builds without the assertion start (and prefill is never refused)."""
-    from vllm_flagcx.compat.blocks import HybridRemoteLoadUnsupported
+    from vllm_flagcx.compat.kv_cache import HybridRemoteLoadUnsupported
 
     def build(role):
         config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True, kv_role=role,

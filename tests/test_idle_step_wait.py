@@ -1,7 +1,7 @@
 """An engine step that computes no token waits for the transfers in flight
-(``connector.in_flight``): the wait itself, the flag the real Scheduler's output sets, a
-load reported in the very step that planned it, a prefill step that waits out a write, and
-the setting that turns it off."""
+(``connector.common.task_threads.InFlight``): the wait itself, the flag the real
+Scheduler's output sets, a load reported in the very step that planned it, a prefill step
+that waits out a write, and the setting that turns it off."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 from testkit.transport_standin import Faults
 
-from vllm_flagcx.connector.common.in_flight import InFlight
 from vllm_flagcx.connector.common.settings import ConnectorSettings, SettingsError
+from vllm_flagcx.connector.common.task_threads import InFlight
 
 
 def test_nothing_in_flight_returns_at_once():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_flagcx.connector.common.observations import Observations
+from vllm_flagcx.connector.common.counters import Observations
 from vllm_flagcx.wire import metrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ import zmq
 from testkit import pd_harness as pd
 
 from vllm_flagcx.connector.common.counters import Counters
-from vllm_flagcx.connector.prefill import peer_credentials as pc
+from vllm_flagcx.connector.prefill import gate as pc
 from vllm_flagcx.connector.prefill.gate import Admitted, Gate
 from vllm_flagcx.wire import client, endpoints
 from vllm_flagcx.wire import handshake as hs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.compat import blocks, plugin
+from vllm_flagcx.compat import kv_cache as blocks
+from vllm_flagcx.compat import plugin
 from vllm_flagcx.connector import FlagCXConnector
 
 
@@ -67,7 +68,7 @@ def test_entry_point_is_declared():
 
 
 def test_hybrid_decode_role_refused_where_vllm_cannot_finish_it(matrix_build):
-    from vllm_flagcx.compat.blocks import HybridRemoteLoadUnsupported
+    from vllm_flagcx.compat.kv_cache import HybridRemoteLoadUnsupported
 
     config = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True,
                                       kv_role="kv_consumer")

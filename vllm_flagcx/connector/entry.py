@@ -16,12 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_flagcx.compat import config as compat_config
 from vllm_flagcx.compat import kv_cache as compat_kv
-from vllm_flagcx.compat.blocks import (
-    hma_state,
-    require_hma_for_mamba,
-    require_hybrid_async_load,
-    require_mamba_align_accepts_remote_loads,
-)
 from vllm_flagcx.compat.connector_api import (
     FlagCXPromMetrics,
     KVConnectorMetadata,
@@ -32,6 +26,12 @@ from vllm_flagcx.compat.connector_api import (
     role_is_scheduler,
     step_computes_nothing,
     transfer_results,
+)
+from vllm_flagcx.compat.kv_cache import (
+    hma_state,
+    require_hma_for_mamba,
+    require_hybrid_async_load,
+    require_mamba_align_accepts_remote_loads,
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler

@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_flagcx.compat import blocks as compat_blocks
 from vllm_flagcx.compat import kv_cache as compat_kv
 from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
@@ -42,7 +41,6 @@ from vllm_flagcx.connector.common.metadata import (
 )
 from vllm_flagcx.connector.common.settings import DEFAULTS
 from vllm_flagcx.connector.decode.loads import LoadPhase, Loads
-from vllm_flagcx.connector.prefill.held import HeldSends
 from vllm_flagcx.wire import params as wire_params
 from vllm_flagcx.wire.heartbeat import HeartbeatSender
 from vllm_flagcx.wire.params import (
@@ -64,6 +62,34 @@ class SchedulerSettings:
     lease_seconds: float = DEFAULTS.lease_seconds
     first_lease_seconds: float = DEFAULTS.initial_lease  # until decode's first word
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
+
+
+class HeldSends:
+    """Prefill's held transfers: the requests whose KV it holds for a decode, one request
+    per transfer id (a second request under a held id would let decode pull the first
+    one's KV), from ``request_finished`` until vLLM reports the send finished. The
+    worker's side of the same transfers is ``prefill.sends.Sends``."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[RequestId, SendTask] = {}
+        self._transfer_ids: set[TransferId] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def holds(self, transfer_id: TransferId) -> bool:
+        return transfer_id in self._transfer_ids
+
+    def hold(self, task: SendTask) -> None:
+        self._tasks[task.request_id] = task
+        self._transfer_ids.add(task.transfer_id)
+
+    def sent(self, request_id: RequestId) -> None:
+        """vLLM reported the send finished (pulled, released or expired)."""
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            self._transfer_ids.discard(task.transfer_id)
+
 
 
 MAX_YIELDS = 5000  # scheduler lookups a failed load's request lets block holders go first
@@ -200,11 +226,11 @@ class SchedulerHalf:
             self.loads.drop(RequestId(request.request_id))
             self._pending.release[remote.transfer_id] = remote
             return
-        per_group = compat_blocks.unhashed_block_ids_all_groups(blocks)
+        per_group = compat_kv.unhashed_block_ids_all_groups(blocks)
         local_hit = self.loads.plan(RequestId(request.request_id), request, remote)
         ids, offsets = [], []
         for facts, group in zip(self.groups, per_group, strict=True):
-            group = compat_blocks.strip_null_blocks(group)
+            group = compat_kv.strip_null_blocks(group)
             if facts.kind is SpecKind.SLIDING_WINDOW:
                 group = clip_to_window(group, facts.sliding_window, facts.block_size)
             ids.append(group)
@@ -258,7 +284,7 @@ class SchedulerHalf:
                            wire_params.BOOTSTRAP_LEG_REFUSAL)
             return False, {"transfer_id": params["transfer_id"],
                            wire_params.NOT_HELD: wire_params.BOOTSTRAP_LEG_REFUSAL}
-        ids = [compat_blocks.strip_null_blocks(list(g)) for g in block_ids]
+        ids = [compat_kv.strip_null_blocks(list(g)) for g in block_ids]
         transfer_id = TransferId(str(params.get("transfer_id") or request.request_id))
         if self.held.holds(transfer_id):
             # A second request under a held id: decode would pull the first one's KV.

@@ -28,11 +28,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_flagcx.connector.common.counters import Counters
-from vllm_flagcx.connector.common.in_flight import InFlight
+from vllm_flagcx.connector.common.counters import Counters, Observations
 from vllm_flagcx.connector.common.metadata import FlagCXMetadataPayload, RequestId
-from vllm_flagcx.connector.common.observations import Observations
 from vllm_flagcx.connector.common.registration import Registration, register
+from vllm_flagcx.connector.common.task_threads import InFlight
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
 from vllm_flagcx.connector.decode.ledger import STAGES, FailureLedger
 from vllm_flagcx.connector.decode.pull_clock import PullClock

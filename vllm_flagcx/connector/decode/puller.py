@@ -19,12 +19,10 @@ import time
 from typing import Any
 
 from vllm_flagcx.connector.common import integrity
-from vllm_flagcx.connector.common.counters import Counters
-from vllm_flagcx.connector.common.in_flight import InFlight
+from vllm_flagcx.connector.common.counters import Counters, Observations
 from vllm_flagcx.connector.common.metadata import RecvTask, RequestId, TransferId
-from vllm_flagcx.connector.common.observations import Observations
 from vllm_flagcx.connector.common.registration import Registration
-from vllm_flagcx.connector.common.task_threads import TaskThreads
+from vllm_flagcx.connector.common.task_threads import InFlight, TaskThreads
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
 from vllm_flagcx.connector.decode import fault_knobs
 from vllm_flagcx.connector.decode.ledger import FailureLedger

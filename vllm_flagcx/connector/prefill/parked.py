@@ -22,7 +22,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from vllm_flagcx.connector.prefill.peer_credentials import PeerCred
+from vllm_flagcx.connector.prefill.gate import PeerCred
 from vllm_flagcx.wire import handshake as hs
 
 MAX_PARKED_PULLS = 1024  # pulls for transfers not armed yet

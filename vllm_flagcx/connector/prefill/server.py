@@ -9,7 +9,7 @@ after (``_write_job``), and posts the Releases that waited only then. Every pull
 before bytes move: its fields (``pull_problem``), the receiver's regions pinned per
 incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
 (``bounds.check_within``), the transfer's first puller (``Sends.claim``), and for the
-same-host transport the process it names (``peer_credentials``: the one that connected,
+same-host transport the process it names (``gate.target_refusal``: the one that connected,
 as it ran then; asked again right before the write).
 
 Who may talk at all (envelope, local peer, MAC, CURVE role) is decided first, by
@@ -32,12 +32,11 @@ from typing import Any
 
 from vllm_flagcx.connector.common.counters import Counters
 from vllm_flagcx.connector.common.host_cpus import unpin_this_thread
-from vllm_flagcx.connector.common.in_flight import InFlight
 from vllm_flagcx.connector.common.registration import Registration
+from vllm_flagcx.connector.common.task_threads import InFlight
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
-from vllm_flagcx.connector.prefill.gate import Gate, Refused
+from vllm_flagcx.connector.prefill.gate import Gate, PeerCred, Refused, target_refusal
 from vllm_flagcx.connector.prefill.parked import ParkedPull, ParkedPulls
-from vllm_flagcx.connector.prefill.peer_credentials import PeerCred, target_refusal
 from vllm_flagcx.connector.prefill.receivers import pull_problem
 from vllm_flagcx.connector.prefill.sends import LEASE_EXPIRED, Claim, Send, Sends
 from vllm_flagcx.connector.prefill.sockets import UNIX, Listeners, route, routed_role
@@ -245,7 +244,7 @@ class SideChannelServer:
 
     def _target_refusal(self, pull: hs.PullRequest, peer: PeerCred | None) -> str | None:
         """Why a same-host pull may not write into the process it names (see
-        ``peer_credentials``), or None; pulls of other transports name no process."""
+        ``gate.target_refusal``), or None; pulls of other transports name no process."""
         pid = self._transport.peer_pid(pull.sheet.transport_desc)
         refused = target_refusal(peer, pid) if pid is not None else None
         if refused is not None:
