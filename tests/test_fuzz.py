@@ -20,8 +20,7 @@ from testkit import pd_harness as pd
 from testkit import router_standin as rs
 
 from vllm_flagcx.router.app import build_app
-from vllm_flagcx.router.legs import RouterSettings
-from vllm_flagcx.router.pool import Instance, Pool
+from vllm_flagcx.router.legs import Instance, Pool, RouterSettings
 from vllm_flagcx.router.proxy import Proxy
 from vllm_flagcx.wire import client, endpoints
 from vllm_flagcx.wire import handshake as hs

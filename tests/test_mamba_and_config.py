@@ -6,7 +6,8 @@ import pytest
 from testkit import vllm_harness as harness
 from testkit import vllm_reads
 
-from vllm_flagcx.compat import config, mamba
+from vllm_flagcx.compat import config
+from vllm_flagcx.compat import kv_cache as mamba
 
 
 def test_remote_prefill_token_count():

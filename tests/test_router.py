@@ -13,7 +13,7 @@ import pytest
 from testkit import router_standin as rs
 from testkit.router_standin import BODY, router
 
-from vllm_flagcx.router.pool import Instance, Pool
+from vllm_flagcx.router.legs import Instance, Pool
 
 
 def test_prefill_leg_is_one_length_capped_token_and_decode_gets_its_params_unchanged():

@@ -12,8 +12,7 @@ from testkit import router_standin as rs
 from testkit.router_standin import router
 
 from vllm_flagcx.router import cli
-from vllm_flagcx.router.legs import prefill_body
-from vllm_flagcx.router.pool import RouterConfigError, parse_instance
+from vllm_flagcx.router.legs import RouterConfigError, parse_instance, prefill_body
 
 
 def test_bad_body_is_a_400():

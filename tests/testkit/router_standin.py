@@ -193,8 +193,7 @@ def router(prefills: list[Any], decodes: list[Any], **settings: Any
     """The REAL router (``vllm_flagcx.router``) in front of stand-in upstreams: its URL and
     its ``Proxy``."""
     from vllm_flagcx.router.app import build_app
-    from vllm_flagcx.router.legs import RouterSettings
-    from vllm_flagcx.router.pool import Instance, Pool
+    from vllm_flagcx.router.legs import Instance, Pool, RouterSettings
     from vllm_flagcx.router.proxy import Proxy
 
     proxy = Proxy(Pool("prefill", [Instance(u.url, "prefill", getattr(u, "side", None))

@@ -87,14 +87,14 @@ def log_capabilities_once(vllm_config: object, engine_id: str, group_kinds: list
     if engine_id in _LOGGED:
         return
     _LOGGED.add(engine_id)
-    from vllm_flagcx.compat import mamba as compat_mamba
+    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.compat import probe, version
 
     v = version.installed_version()
     vendor = version.classify_vendor(probe.installed_platform_traits(), v)
     logger.info("FlagCXConnector: vLLM %s (vendor %s), HMA %s, conv layout %s, KV cache "
                 "groups %s, engine %s", v.raw, vendor, hma_state(vllm_config),
-                compat_mamba.conv_state_layout(), group_kinds, engine_id)
+                compat_kv.conv_state_layout(), group_kinds, engine_id)
 
 
 def side_channel_base(base_port: int, dp_rank: int, tp_size: int) -> int:

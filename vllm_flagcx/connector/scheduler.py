@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_flagcx.compat import kv_cache as compat_kv
-from vllm_flagcx.compat import mamba as compat_mamba
 from vllm_flagcx.compat.kv_cache import SpecKind
 from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
 from vllm_flagcx.compat.vllm_types import KVCacheConfigLike, VllmRequest
@@ -196,11 +195,11 @@ class SchedulerHalf:
             return None, False  # "not yet": vLLM skips it this step (every build >= 0.13)
         params = self._params(request)
         if wire_params.wants_remote_decode(params) and self.has_mamba:
-            compat_mamba.truncate_for_prefill(request, self.hash_block_size)
+            compat_kv.truncate_for_prefill(request, self.hash_block_size)
         remote = self._remote(request)
         if remote is None:
             return 0, False
-        wanted = compat_mamba.remote_prefill_token_count(
+        wanted = compat_kv.remote_prefill_token_count(
             request.num_prompt_tokens, self.has_mamba, remote.remote_num_tokens)
         if wanted is None:
             # prefill's recurrent state is after another token count than decode can use:

@@ -14,7 +14,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from vllm_flagcx.router.pool import Pool, RouterConfigError, parse_instance
+from vllm_flagcx.router.legs import Pool, RouterConfigError, parse_instance
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

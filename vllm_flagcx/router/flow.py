@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 
 from vllm_flagcx.router import first_token
-from vllm_flagcx.router.legs import LegError, sse_error
-from vllm_flagcx.router.pool import Instance
+from vllm_flagcx.router.legs import Instance, LegError, sse_error
 from vllm_flagcx.wire import timeline
 
 logger = logging.getLogger("vllm_flagcx.router")

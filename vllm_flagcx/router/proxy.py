@@ -30,7 +30,10 @@ import httpx
 from vllm_flagcx.router import first_token
 from vllm_flagcx.router.flow import Flow
 from vllm_flagcx.router.legs import (
+    Instance,
     LegError,
+    Pool,
+    RouterConfigError,
     RouterSettings,
     check_advertised,
     decode_body,
@@ -40,7 +43,6 @@ from vllm_flagcx.router.legs import (
     prompt_token_ids,
     upstream_error,
 )
-from vllm_flagcx.router.pool import Instance, Pool, RouterConfigError
 from vllm_flagcx.wire import params as params_schema
 
 logger = logging.getLogger("vllm_flagcx.router")

@@ -36,13 +36,13 @@ def kv_cache_regions(vllm_config: Any, kv_cache_config: KVCacheConfigLike, tp_si
                      kv_caches: dict[str, Any], dims: dict[int, str | None]) -> list[Region]:
     """Regions of every registered cache tensor, each attention group's K/V taken from
     the dimensions its backend declares (``dims``, from ``attention_dims``)."""
+    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.compat import kv_layout
-    from vllm_flagcx.compat import mamba as compat_mamba
 
     model = vllm_config.model_config
     return kv_layout.regions_for_kv_caches(
         kv_caches, kv_cache_config, tp_size, model.get_total_num_kv_heads(),
-        compat_mamba.conv_state_layout(),
+        compat_kv.conv_state_layout(),
         compat_config.gdn_conv_split(model.hf_config, tp_size), dims)
 
 
@@ -51,7 +51,7 @@ def kv_cache_views(vllm_config: Any, kv_cache_config: KVCacheConfigLike, kv_cach
                    ) -> dict[str, LayerView]:
     """Each layer as vLLM indexes it (attention and Mamba/GDN state), for the full
     logical digest (``compat.kv_views``)."""
-    from vllm_flagcx.compat import mamba as compat_mamba
+    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.compat.kv_views import cache_views
     from vllm_flagcx.layout.regions import kernel_ratios
 
@@ -61,7 +61,7 @@ def kv_cache_views(vllm_config: Any, kv_cache_config: KVCacheConfigLike, kv_cach
     split = compat_config.gdn_conv_split(model.hf_config, tp_size)
     return cache_views(kv_caches, kv_cache_config, model.get_total_num_kv_heads(), dims,
                        ratios, compat_config.tp_rank(), tp_size,
-                       compat_mamba.conv_state_layout(), split.parts if split else None)
+                       compat_kv.conv_state_layout(), split.parts if split else None)
 
 
 def attention_cache_format(vllm_config: Any, kv_cache_config: KVCacheConfigLike,
@@ -81,7 +81,7 @@ def attention_cache_format(vllm_config: Any, kv_cache_config: KVCacheConfigLike,
 def layout_facts(vllm_config: Any, kv_cache_config: KVCacheConfigLike, regions: list[Region]
                  ) -> hs.LayoutFacts:
     """The ``wire.handshake.LayoutFacts`` a peer's must match before any byte moves."""
-    from vllm_flagcx.compat import mamba as compat_mamba
+    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.layout.regions import kernel_ratios, model_page_bytes
 
     model = vllm_config.model_config
@@ -95,7 +95,7 @@ def layout_facts(vllm_config: Any, kv_cache_config: KVCacheConfigLike, regions: 
         kernel_block_sizes=tuple(g.block_size // r for g, r in zip(groups, ratios,
                                                                     strict=True)),
         page_bytes=model_page_bytes(regions, len(groups)),
-        conv_layout=compat_mamba.conv_state_layout(),
+        conv_layout=compat_kv.conv_state_layout(),
         num_kv_heads=int(model.get_total_num_kv_heads()),
         cache_format=attention_cache_format(vllm_config, kv_cache_config, groups))
 
