@@ -133,7 +133,7 @@ def test_connections_that_never_finish_their_handshake_are_closed(secret_file):
     answers (before: every idle connection stayed open for good)."""
     import resource
 
-    from vllm_flagcx.connector.prefill import sockets as server
+    from vllm_flagcx.connector.prefill import gate as server
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 2000 * 2 + 512  # both ends live in this process

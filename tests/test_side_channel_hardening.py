@@ -13,7 +13,7 @@ from testkit import pd_harness as pd
 from testkit import vllm_harness as harness
 
 from vllm_flagcx.connector import worker as wk
-from vllm_flagcx.connector.prefill.parked import ParkedPull, ParkedPulls
+from vllm_flagcx.connector.prefill.pulls import ParkedPull, ParkedPulls
 from vllm_flagcx.wire import client, endpoints
 from vllm_flagcx.wire import handshake as hs
 

@@ -139,7 +139,7 @@ class FlagCXConnector(PortableConnectorBase):
         if self.is_scheduler:
             self.scheduler = self._make_scheduler(vllm_config, kv_cache_config)
         elif ktc.is_kv_producer:  # before the model loads: a taken port is found at once
-            from vllm_flagcx.connector.prefill.sockets import check_free
+            from vllm_flagcx.connector.prefill.gate import check_free
 
             rank = compat_config.tp_rank()
             check_free(self.settings.bind_host, self.side_channel_port + rank, rank,

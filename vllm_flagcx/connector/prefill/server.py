@@ -1,13 +1,13 @@
 """Prefill's side-channel server: handshakes, pulls, releases, heartbeats, and the writes.
 
-One thread owns the ZMQ sockets (``_serve``; where they listen: ``prefill.sockets``);
+One thread owns the ZMQ sockets (``_serve``; where they listen: ``prefill.gate``);
 writes run on writer threads (``_write_job``) and their replies come back through an
 outbox. The transfers' lifecycle and its safety
 invariant (a Release is acknowledged only once no write into its blocks is in flight) are
 ``sends.Sends``: this server claims a write before it runs and finishes it exactly once
 after (``_write_job``), and posts the Releases that waited only then. Every pull is checked
 before bytes move: its fields (``pull_problem``), the receiver's regions pinned per
-incarnation (``receivers.ReceiverCache``), each descriptor against registered memory
+incarnation (``pulls.ReceiverCache``), each descriptor against registered memory
 (``bounds.check_within``), the transfer's first puller (``Sends.claim``), and for the
 same-host transport the process it names (``gate.target_refusal``: the one that connected,
 as it ran then; asked again right before the write).
@@ -35,11 +35,18 @@ from vllm_flagcx.connector.common.host_cpus import unpin_this_thread
 from vllm_flagcx.connector.common.registration import Registration
 from vllm_flagcx.connector.common.task_threads import InFlight
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
-from vllm_flagcx.connector.prefill.gate import Gate, PeerCred, Refused, target_refusal
-from vllm_flagcx.connector.prefill.parked import ParkedPull, ParkedPulls
-from vllm_flagcx.connector.prefill.receivers import pull_problem
+from vllm_flagcx.connector.prefill.gate import (
+    UNIX,
+    Gate,
+    Listeners,
+    PeerCred,
+    Refused,
+    route,
+    routed_role,
+    target_refusal,
+)
+from vllm_flagcx.connector.prefill.pulls import ParkedPull, ParkedPulls, pull_problem
 from vllm_flagcx.connector.prefill.sends import LEASE_EXPIRED, Claim, Send, Sends
-from vllm_flagcx.connector.prefill.sockets import UNIX, Listeners, route, routed_role
 from vllm_flagcx.connector.prefill.writes import SideChannelWrites
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import auth, curve

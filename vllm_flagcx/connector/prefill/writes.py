@@ -18,7 +18,7 @@ from vllm_flagcx.connector.common import integrity
 from vllm_flagcx.connector.common.counters import Counters
 from vllm_flagcx.connector.common.registration import Registration
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
-from vllm_flagcx.connector.prefill.receivers import ReceiverCache
+from vllm_flagcx.connector.prefill.pulls import ReceiverCache
 from vllm_flagcx.connector.prefill.sends import Send, Sends
 from vllm_flagcx.layout import bounds, plans
 from vllm_flagcx.transport.base import Transport
