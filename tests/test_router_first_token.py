@@ -52,6 +52,18 @@ def test_streamed_client_gets_prefills_token_first_and_decode_continues_from_it(
     assert proxy.counters["first_token_seeded"] == 1
 
 
+def test_a_t1_printed_after_the_prompts_dangling_bytes_is_seeded_with_them():
+    """A prompt that ends inside a UTF-8 character: vLLM prints its bytes as U+FFFD with t1
+    (a monolithic engine too); t1 itself is whole, so it goes ahead as printed."""
+    prefill = rs.upstream("prefill", text="\ufffd Once", prompt_ids=PROMPT_IDS, token_ids=[T1])
+    with prefill as p, rs.upstream("decode", text="upon") as d, router([p], [d]) as (url, proxy):
+        events = _events(url, SEEDABLE)
+    assert [e["choices"][0]["text"] for e in events] == ["\ufffd Once", "upon"]
+    assert d.seen[0]["prompt"] == [*PROMPT_IDS, T1]
+    assert proxy.counters["first_token_seeded"] == 1
+    assert proxy.counters["first_token_unusable"] == 0
+
+
 def test_unstreamed_answer_has_t1_in_front_and_usage_counts_it_as_generated():
     with _prefill() as p, rs.upstream("decode", text=" upon a time", usage=USAGE) as d, \
             router([p], [d]) as (url, _):
