@@ -87,7 +87,6 @@ def log_capabilities_once(vllm_config: object, engine_id: str, group_kinds: list
     if engine_id in _LOGGED:
         return
     _LOGGED.add(engine_id)
-    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.compat import probe, version
 
     v = version.installed_version()

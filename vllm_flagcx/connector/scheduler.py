@@ -90,7 +90,6 @@ class HeldSends:
             self._transfer_ids.discard(task.transfer_id)
 
 
-
 MAX_YIELDS = 5000  # scheduler lookups a failed load's request lets block holders go first
 
 

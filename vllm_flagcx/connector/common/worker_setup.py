@@ -36,7 +36,6 @@ def kv_cache_regions(vllm_config: Any, kv_cache_config: KVCacheConfigLike, tp_si
                      kv_caches: dict[str, Any], dims: dict[int, str | None]) -> list[Region]:
     """Regions of every registered cache tensor, each attention group's K/V taken from
     the dimensions its backend declares (``dims``, from ``attention_dims``)."""
-    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.compat import kv_layout
 
     model = vllm_config.model_config
@@ -51,7 +50,6 @@ def kv_cache_views(vllm_config: Any, kv_cache_config: KVCacheConfigLike, kv_cach
                    ) -> dict[str, LayerView]:
     """Each layer as vLLM indexes it (attention and Mamba/GDN state), for the full
     logical digest (``compat.kv_views``)."""
-    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.compat.kv_views import cache_views
     from vllm_flagcx.layout.regions import kernel_ratios
 
@@ -81,7 +79,6 @@ def attention_cache_format(vllm_config: Any, kv_cache_config: KVCacheConfigLike,
 def layout_facts(vllm_config: Any, kv_cache_config: KVCacheConfigLike, regions: list[Region]
                  ) -> hs.LayoutFacts:
     """The ``wire.handshake.LayoutFacts`` a peer's must match before any byte moves."""
-    from vllm_flagcx.compat import kv_cache as compat_kv
     from vllm_flagcx.layout.regions import kernel_ratios, model_page_bytes
 
     model = vllm_config.model_config
