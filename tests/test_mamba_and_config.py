@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from testkit import pd_caches, vllm_reads
 from testkit import vllm_harness as harness
-from testkit import vllm_reads
 
 from vllm_flagcx.compat import config
 from vllm_flagcx.compat import kv_cache as mamba
+from vllm_flagcx.connector.scheduler import SchedulerHalf, SchedulerSettings
 
 
 def test_remote_prefill_token_count():
@@ -16,16 +17,20 @@ def test_remote_prefill_token_count():
     assert mamba.remote_prefill_token_count(1, has_mamba=True) == 1
 
 
-def test_truncate_for_prefill_is_idempotent():
-    request = harness.make_request(33, max_tokens=8, kv_transfer_params={"do_remote_decode": True})
-    assert request.num_prompt_tokens == 33
-    assert mamba.truncate_for_prefill(request, hash_block_size=16) is True
-    assert request.num_prompt_tokens == 32 and len(request.prompt_token_ids) == 32
-    assert request.num_tokens == 32 and request.max_tokens == 1
-    # A preempted and rescheduled request comes back through the same hook: no second cut.
-    assert mamba.truncate_for_prefill(request, hash_block_size=16) is False
-    assert request.num_prompt_tokens == 32
+def test_truncate_for_prefill_cuts_once_and_leaves_the_params_alone():
+    """Prefill of a hybrid model cuts a request to N-1 once: a preempted request comes back
+    through the same hook and keeps N-1. The user's kv_transfer_params are only read."""
+    half = SchedulerHalf(SchedulerSettings("p", "127.0.0.1", 1, 1),
+                         pd_caches.rank_kv_cache_config(tp=1, num_blocks=8))
+    params = {"do_remote_decode": True}
+    request = harness.make_request(33, max_tokens=8, kv_transfer_params=params)
+    for _ in range(2):  # scheduled, then preempted and scheduled again
+        assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert request.num_prompt_tokens == 32 and len(request.prompt_token_ids) == 32
+        assert request.num_tokens == 32 and request.max_tokens == 1
     assert len(getattr(request, "block_hashes", [])) <= 32 // 16
+    assert params == {"do_remote_decode": True}
+    half.shutdown()
 
 
 def test_truncate_needs_transfer_params():

@@ -258,9 +258,6 @@ def require_mamba_align_accepts_remote_loads(is_consumer: bool, vllm_config: Any
             "vLLM >= 0.34 for decode.")
 
 
-TRUNCATED_KEY = "_flagcx_p_side_truncated"
-
-
 def conv_state_layout() -> str:
     """"SD" or "DS": how this build stores Mamba conv state."""
     if capabilities().conv_state_layouts == "SD":
@@ -286,15 +283,16 @@ def remote_prefill_token_count(num_prompt_tokens: int, has_mamba: bool,
 
 
 def truncate_for_prefill(request: Any, hash_block_size: int | None = None) -> bool:
-    """Prefill side: drop the last prompt token once (idempotent under preemption).
+    """Prefill side: drop the last prompt token. The caller cuts each request once (a
+    preempted request comes back through the same hook); the user's ``kv_transfer_params``
+    are only read.
 
     Returns True when this call truncated. Block hashes covering the dropped token are
     discarded too (``Request.truncate_block_hashes`` on 0.34, the same rule elsewhere), so
     a later prefix-cache lookup cannot match a block holding a token that was never run.
     """
     params = request.kv_transfer_params
-    if (params is None or params.get(TRUNCATED_KEY) or request.num_prompt_tokens <= 1
-            or seeds_first_token(params)):
+    if params is None or request.num_prompt_tokens <= 1 or seeds_first_token(params):
         return False  # seeded: decode continues from prompt + [t1] (wire.params)
     if request.prompt_token_ids is not None:
         request.prompt_token_ids.pop()
@@ -305,7 +303,6 @@ def truncate_for_prefill(request: Any, hash_block_size: int | None = None) -> bo
     request._all_token_ids.pop()
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
-    params[TRUNCATED_KEY] = True
     if hash_block_size:
         if capabilities().truncate_block_hashes == "native":
             request.truncate_block_hashes(hash_block_size)

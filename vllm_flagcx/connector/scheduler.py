@@ -134,6 +134,7 @@ class SchedulerHalf:
         self.held = HeldSends()  # prefill: the requests whose KV it holds for a decode
         self.loads = Loads()  # decode: one slot per request that loads (connector.loads)
         self._freed_here: set[str] = set()  # KEPT loads freed by us (0.13) last step
+        self._truncated: set[RequestId] = set()  # prefill: cut to N-1 (Mamba), until done
         self.recomputed_after_failure = 0
         self.rejected_params = 0
         # decode: request_id -> why its params were refused, told in its response
@@ -190,11 +191,14 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(self, request: VllmRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if self._yields(RequestId(request.request_id)):
+        request_id = RequestId(request.request_id)
+        if self._yields(request_id):
             return None, False  # "not yet": vLLM skips it this step (every build >= 0.13)
         params = self._params(request)
-        if wire_params.wants_remote_decode(params) and self.has_mamba:
-            compat_kv.truncate_for_prefill(request, self.hash_block_size)
+        if (wire_params.wants_remote_decode(params) and self.has_mamba
+                and request_id not in self._truncated
+                and compat_kv.truncate_for_prefill(request, self.hash_block_size)):
+            self._truncated.add(request_id)  # once: preemption brings it back here
         remote = self._remote(request)
         if remote is None:
             return 0, False
@@ -208,7 +212,7 @@ class SchedulerHalf:
                            remote.remote_num_tokens, request.num_prompt_tokens)
             return 0, False
         count = wanted - num_computed_tokens
-        self.loads.match(RequestId(request.request_id), request, remote, num_computed_tokens)
+        self.loads.match(request_id, request, remote, num_computed_tokens)
         if count > 0:  # until its blocks are allocated, the heartbeat keeps the lease
             self.heartbeats.wake()
         return (count, True) if count > 0 else (0, False)
@@ -253,6 +257,7 @@ class SchedulerHalf:
     def request_finished(self, request: VllmRequest, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, object] | None]:
         params = self._params(request)
+        self._truncated.discard(RequestId(request.request_id))
         unplanned = self._remote(request)  # still to load (parsed here if never before)
         self._remotes.pop(request.request_id, None)
         refused = self._refused.pop(request.request_id, None)
