@@ -19,7 +19,7 @@ BUDGET = {  # lowered by at least a third on 2026-12-07 (Protocols at vLLM's bou
     "layout": 0,  # the pure floor: no Any at all
     "wire": 14,
     "transport": 4,
-    "compat": 65,
+    "compat": 58,
     "connector": 48,
     "router": 6,
     "demo": 4,

@@ -14,7 +14,10 @@ assertion); both schedulers end empty; a second pass runs clean.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import inspect
+import re
 
 import pytest
 from testkit import pd_harness as pd
@@ -24,7 +27,12 @@ from testkit.vllm_reads import failure_policy
 
 from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.kv_cache import SpecKind, group_facts, strip_null_blocks
-from vllm_flagcx.compat.recovery import NATIVE, SCHEDULER_FAILED_SET, recovery_probe
+from vllm_flagcx.compat.recovery import (
+    NATIVE,
+    SCHEDULER_FAILED_SET,
+    SCHEDULER_FLAGS,
+    recovery_probe,
+)
 
 FAILURES = {
     "prefill_unreachable": dict(d_port_shift=1, lease=2.0),
@@ -36,12 +44,12 @@ PROMPTS = [130, 37]  # 130 tokens: 9 blocks, window 32 tokens (2 blocks)
 
 
 def _run_twice(model, prefix_caching, p_faults=None, d_port_shift=0, lease=30.0,
-               d_delay=0.0):
+               d_delay=0.0, hands_over=True):
     port = pd.free_port()
     p = pd.build_instance("kv_producer", 1, port, model=model, faults=p_faults,
                           lease_seconds=lease, num_blocks=64)
     d = pd.build_instance("kv_consumer", 1, port + 5, model=model, recv_timeout=3.0, seed=1,
-                          num_blocks=64, prefix_caching=prefix_caching)
+                          num_blocks=64, prefix_caching=prefix_caching, hands_over=hands_over)
     passes = []
     try:
         for _ in range(2):
@@ -109,6 +117,24 @@ def test_failed_receive_recomputes_over_a_clean_block_table(model, failure, pref
         pytest.skip("hybrid + prefix caching on decode: see "
                     "test_hybrid_prefix_caching_decode_is_refused_where_vllm_asserts")
     p, d, passes = _run_twice(model, prefix_caching, **FAILURES[failure])
+    _assert_recomputed_cleanly(model, failure, p, d, passes)
+
+
+@pytest.mark.parametrize("model", ["hybrid", "dense"])
+def test_a_failed_receive_recomputes_without_the_handed_over_scheduler(model):
+    """Under vLLM's own Scheduler (no ``--scheduler-cls``) 0.13-0.22 offer the connector
+    no failure set: the request recomputes from token 0 over the blocks allocated for its
+    load, which is right without sliding-window groups. Same checks as above."""
+    if model != "dense" and not _recovery_supported():
+        pytest.skip("multi-group decode is refused on this build")
+    p, d, passes = _run_twice(model, False, hands_over=False, **FAILURES["write_fails"])
+    _assert_recomputed_cleanly(model, "write_fails", p, d, passes)
+    assert d.scheduler.connector.scheduler.recovery.mode in (NATIVE, None)
+
+
+def _assert_recomputed_cleanly(model, failure, p, d, passes) -> None:
+    """Every decode request finished (an error where vLLM's policy fails it), each failed
+    once, and every schedule of a recompute reads no null block; both sides end idle."""
     groups_facts = group_facts(d.ranks[0].config)
     # vLLM's kv_load_failure_policy ("fail" is 0.22+'s default) applies where vLLM itself
     # handles the failure: block-level reports (dense) and 0.34's failed_recving. 0.18-0.22
@@ -238,3 +264,54 @@ def test_burst_of_failed_receives_in_a_tight_decode_pool_all_finish(num_blocks):
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("model", ["sliding", "hybrid"])
+@pytest.mark.parametrize("hands_over", [True, False], ids=["flagcx-scheduler", "vllm-scheduler"])
+def test_only_a_scheduler_that_hands_itself_over_recovers_a_sliding_window_decode(
+        model, hands_over):
+    """0.13-0.22 give a connector no handle on its scheduler (and no frame walk finds one):
+    a sliding-window decode starts only under ``compat.schedulers`` (``--scheduler-cls``,
+    named in the refusal), which hands itself to the connector. vLLM's own Scheduler
+    still runs every other model (a failed load recomputes over its allocated blocks:
+    ``test_a_failed_receive_recomputes_without_the_handed_over_scheduler``); 0.34 reports
+    failures natively and needs neither."""
+    if not _recovery_supported():
+        pytest.skip("multi-group decode is refused on this build")
+    native = recovery_probe() == NATIVE
+    build = functools.partial(pd.build_instance, "kv_consumer", 1, pd.free_port(),
+                              model=model, hands_over=hands_over)
+    if model == "sliding" and not hands_over and not native:
+        with pytest.raises(RuntimeError, match=re.escape(SCHEDULER_FLAGS[False])):
+            build()
+        return
+    d = build()
+    try:
+        mode = d.scheduler.connector.scheduler.recovery.mode
+        assert mode == (NATIVE if native else SCHEDULER_FAILED_SET if hands_over else None)
+    finally:
+        d.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_scheduler_flags_name_vllms_schedulers_handing_themselves_over(async_scheduling):
+    """Each ``--scheduler-cls`` value the refusal names imports, is vLLM's scheduler of that
+    kind, and hands itself to the FlagCXConnector it constructs (and to no later one)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_flagcx.compat.recovery import handed_over_scheduler
+
+    module, _, name = SCHEDULER_FLAGS[async_scheduling].split()[-1].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, AsyncScheduler if async_scheduling else Scheduler)
+    config = harness.make_vllm_config(kv_role="kv_consumer",
+                                      extra_config={"side_channel_port": pd.free_port()})
+    scheduler = harness.make_scheduler(config, harness.dense_kv_cache_config(), cls)
+    try:
+        recovery = scheduler.connector.scheduler.recovery
+        assert recovery.mode == recovery_probe()
+        assert recovery.mode == NATIVE or recovery._scheduler() is scheduler
+        assert handed_over_scheduler() is None
+    finally:
+        scheduler.shutdown()

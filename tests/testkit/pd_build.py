@@ -48,7 +48,9 @@ class InstanceOptions:
     side-channel port the product's scheduler half advertises. ``logical_check=False``:
     the workers register no cache views, so the full logical digest is neither sent nor
     checked (the byte sample still is). ``via_entry``: one worker through the product's
-    own entry class (vLLM's role enum, ``register_kv_caches``) instead of stand-in ones."""
+    own entry class (vLLM's role enum, ``register_kv_caches``) instead of stand-in ones.
+    ``hands_over=False``: vLLM's own Scheduler, which gives the connector no handle on it
+    (no ``--scheduler-cls``, ``compat.schedulers``)."""
 
     conv_layout: str = "SD"
     num_blocks: int = 48
@@ -75,6 +77,7 @@ class InstanceOptions:
     multi: bool = False
     dp_rank: int = 0
     logical_check: bool = True
+    hands_over: bool = True
 
 
 def build_instance(role: str, tp: int, port: int, **options: Any) -> Instance:
@@ -90,7 +93,8 @@ def build_instance(role: str, tp: int, port: int, **options: Any) -> Instance:
         names = [n for _, g in kv_cache.attention_groups(rank_config) for n in g.layer_names]
         attn_layout = layout_declaring(layer_attention_dims(config, names), attn_layout)
     ranks = _rank_caches(tp, opts, rank_config, attn_layout)
-    scheduler = harness.make_scheduler(config, ranks[0].config)
+    scheduler = harness.make_scheduler(config, ranks[0].config,
+                                       harness.scheduler_class(opts.hands_over))
     if opts.via_entry:  # the product's own worker path: vLLM's role enum, register_kv_caches
         from vllm_flagcx.compat.connector_api import KVConnectorRole
         from vllm_flagcx.connector import FlagCXConnector

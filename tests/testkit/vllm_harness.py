@@ -124,21 +124,29 @@ def dense_kv_cache_config(num_blocks: int = 64, block_size: int = 16,
         tensors=[(spec.page_size_bytes * num_blocks, [n]) for n in names])
 
 
-def scheduler_class() -> Any:
+def scheduler_class(hands_over: bool = True) -> Any:
+    """vLLM's v1 Scheduler; by default the package's subclass that hands itself to its
+    connector (``--scheduler-cls``, ``compat.schedulers``), as the docs tell a decode of a
+    sliding-window model on 0.13-0.22 to run."""
+    if hands_over:
+        from vllm_flagcx.compat.schedulers import FlagCXScheduler
+
+        return FlagCXScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     return Scheduler
 
 
-def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
-    """The real v1 Scheduler over a given KVCacheConfig."""
-    Scheduler = scheduler_class()
+def make_scheduler(vllm_config: Any, kv_cache_config: Any, cls: Any = None) -> Any:
+    """The real v1 Scheduler (``cls``, else ``scheduler_class()``) over a KVCacheConfig."""
+    Scheduler = cls or scheduler_class()
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     block_size = min(g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups)
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as the engine does
     return Scheduler(**_kwargs_for(
-        Scheduler, vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+        VllmScheduler, vllm_config=vllm_config, kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size, hash_block_size=block_size, log_stats=False))
 

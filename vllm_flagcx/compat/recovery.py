@@ -13,29 +13,38 @@ those already had their out-of-window entries replaced by the shared null block
 over null blocks (wrong text, HTTP 200), then vLLM's ``can_fit_full_sequence`` assertion
 killed the engine (measured on 0.20.2 and 0.22.0).
 
-How, per build:
-- ``native``: ``KVConnectorOutput.failed_recving`` exists (0.34+); vLLM handles it.
-- ``scheduler_failed_set``: 0.18-0.22 have the scheduler's set and the freeing branch but
-  no request-level report for a connector. The connector holds a weak reference to the
-  ``Scheduler`` that constructed it (found on the call stack of its ``__init__``: vLLM
-  gives a connector no handle on its scheduler) and does what 0.34 does, from
-  ``update_connector_output``, which vLLM calls before it reads ``finished_recving``.
-- absent: neither; the connector refuses a decode role where a recompute over allocated
-  blocks would be wrong (sliding-window groups).
+How, per build (what each write is, and why there):
 
-A second gap, 0.13 only: a decode request that FINISHES while its load is in flight
-(aborted, or failed by ``kv_load_failure_policy=fail``) keeps its blocks until no write can
-land (the connector's ``request_finished`` answers True); 0.20+ free them when
-``finished_recving`` names the request, 0.13 only records the id, so the blocks never came
-back (measured: every such request leaked its blocks). ``free_finished_load`` does what
-0.20+ do, through the same scheduler reference.
+=========  ==============================================  ===========================
+build      failed load: recompute from a clean table       finished during its load
+=========  ==============================================  ===========================
+0.34+      ``KVConnectorOutput.failed_recving`` (vLLM's)   vLLM frees it
+0.18-0.22  scheduler's ``failed_recving_kv_req_ids``,      vLLM frees it
+           request's ``num_computed_tokens = 0``
+0.13       as 0.18-0.22                                    ``finished_sending``
+=========  ==============================================  ===========================
+
+0.13-0.22 give a connector no request-level report and no handle on its scheduler. The
+scheduler hands itself over when it is one of ``compat.schedulers`` (``--scheduler-cls``);
+otherwise a failed load recomputes over the blocks allocated for it
+(``num_computed_tokens = 0``), which is right unless the model has sliding-window groups:
+there a decode without the handed-over scheduler is refused at start, naming the flag.
+
+0.13 only: a decode request that FINISHES while its load is in flight (aborted, or failed
+by ``kv_load_failure_policy=fail``) keeps its blocks until no write can land (the
+connector's ``request_finished`` answers True); 0.20+ free them when ``finished_recving``
+names the request, 0.13 only records the id (measured: every such request leaked its
+blocks). vLLM calls ``update_connector_output`` before it reads the output, so the
+connector moves the id to ``finished_sending``, which 0.13 frees with its own
+``_free_blocks`` (``report_as_sent``).
 """
 
 from __future__ import annotations
 
-import sys
-import types
+import contextlib
+import contextvars
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from vllm_flagcx.compat.capabilities import capabilities
@@ -45,23 +54,29 @@ from vllm_flagcx.compat.vllm_types import VllmRequest
 NATIVE = "native"
 SCHEDULER_FAILED_SET = "scheduler_failed_set"
 
+# the --scheduler-cls value for an engine without / with async scheduling
+SCHEDULER_FLAGS = {
+    False: "--scheduler-cls vllm_flagcx.compat.schedulers.FlagCXScheduler",
+    True: "--scheduler-cls vllm_flagcx.compat.schedulers.FlagCXAsyncScheduler",
+}
+_HANDED_OVER: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "flagcx_scheduler_under_construction", default=None)
 
-def find_owning_scheduler(max_depth: int = 24) -> Any | None:
-    """The vLLM scheduler whose construction is running the caller (a frame walk up to
-    ``max_depth`` frames; None when none is found, e.g. a connector built by hand)."""
+
+@contextlib.contextmanager
+def handing_over(scheduler: object) -> Iterator[None]:
+    """While ``scheduler`` constructs itself (and so its connector), the connector finds it
+    through ``handed_over_scheduler`` (``compat.schedulers`` wraps its ``__init__``)."""
+    token = _HANDED_OVER.set(scheduler)
     try:
-        from vllm.v1.core.sched.interface import SchedulerInterface
-    except ImportError:
-        return None
-    frame: types.FrameType | None = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, SchedulerInterface):
-            return candidate
-        frame = frame.f_back
-    return None
+        yield
+    finally:
+        _HANDED_OVER.reset(token)
+
+
+def handed_over_scheduler() -> object | None:
+    """The scheduler constructing the caller, when it handed itself over; else None."""
+    return _HANDED_OVER.get()
 
 
 def _frees_failed_loads(scheduler_cls: Any) -> bool:
@@ -91,7 +106,7 @@ def recovery_probe() -> str:
 class LoadFailureRecovery:
     """Sends a failed receive down vLLM's own failure path (see the module docstring)."""
 
-    def __init__(self, scheduler: Any | None) -> None:
+    def __init__(self, scheduler: object | None) -> None:
         self.mode = recovery_mode(type(scheduler) if scheduler is not None else None)
         self._scheduler = weakref.ref(scheduler) if scheduler is not None else None
 
@@ -108,35 +123,13 @@ class LoadFailureRecovery:
         failed.add(request.request_id)
         return True
 
-    def free_finished(self, request_id: str) -> bool:
-        """``free_finished_load`` on the scheduler that built the connector."""
-        scheduler = self._scheduler() if self._scheduler is not None else None
-        return free_finished_load(scheduler, request_id)
-
-    def forget(self, request_ids: set[str]) -> None:
-        scheduler = self._scheduler() if self._scheduler is not None else None
-        if scheduler is not None and request_ids:
-            forget_stale_loads(scheduler, request_ids)
 
 
-def free_finished_load(scheduler: Any, request_id: str) -> bool:
-    """Free the blocks of ``request_id``, finished while its load was in flight, where the
-    build does not (``capabilities().finished_load_blocks`` absent): vLLM's own
-    ``_free_blocks``, as 0.20+ call it for ``finished_recving``. True when freed here."""
-    if scheduler is None or capabilities().finished_load_blocks == "freed":
-        return False
-    request = getattr(scheduler, "requests", {}).get(request_id)
-    if request is None or not request.is_finished():
-        return False
-    scheduler._free_blocks(request)
-    # 0.13 then records the id in finished_recving_kv_req_ids, which nothing reads for a
-    # freed request: dropped on the next call (``forget_stale_loads``).
-    return True
-
-
-def forget_stale_loads(scheduler: Any, request_ids: set[str]) -> None:
-    """Drop ids of requests freed by ``free_finished_load`` from the scheduler's
-    ``finished_recving_kv_req_ids`` (0.13 adds them after the connector ran)."""
-    recorded = getattr(scheduler, "finished_recving_kv_req_ids", None)
-    if recorded is not None:
-        recorded -= request_ids
+def report_as_sent(output: Any, request_ids: set[str]) -> None:
+    """Where vLLM does not free the blocks of a finished request that ``finished_recving``
+    names (0.13), move ``request_ids`` (finished while their load was in flight, no write
+    can land now) to the connector's ``finished_sending``, whose ids vLLM frees with its
+    own ``_free_blocks`` (see the module docstring)."""
+    if request_ids and capabilities().finished_load_blocks != "freed":
+        output.finished_recving = set(output.finished_recving or ()) - request_ids
+        output.finished_sending = set(output.finished_sending or ()) | request_ids

@@ -34,7 +34,12 @@ from vllm_flagcx.compat.kv_cache import (
     require_mamba_align_accepts_remote_loads,
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
-from vllm_flagcx.compat.recovery import LoadFailureRecovery, find_owning_scheduler
+from vllm_flagcx.compat.recovery import (
+    SCHEDULER_FLAGS,
+    LoadFailureRecovery,
+    handed_over_scheduler,
+    report_as_sent,
+)
 from vllm_flagcx.compat.vllm_types import KVCacheConfigLike, VllmRequest
 from vllm_flagcx.connector.common.metadata import FlagCXMetadataPayload, RequestId
 from vllm_flagcx.connector.common.settings import (
@@ -150,10 +155,10 @@ class FlagCXConnector(PortableConnectorBase):
 
     def _make_scheduler(self, vllm_config: Any, kv_cache_config: KVCacheConfigLike | None
                         ) -> SchedulerHalf:
-        """The scheduler half; vLLM's Scheduler is constructing us, so it is found now
-        (``compat.recovery`` says why). A decode of a sliding-window model on a build with
-        no clean recompute path is refused here, naming the fix."""
-        recovery = LoadFailureRecovery(find_owning_scheduler())
+        """The scheduler half, with the scheduler constructing us when it handed itself
+        over (``compat.recovery`` says why). A decode of a sliding-window model on a build
+        with no clean recompute path is refused here, naming the fix."""
+        recovery = LoadFailureRecovery(handed_over_scheduler())
         half = SchedulerHalf(SchedulerSettings(
             engine_id=self.engine_id, side_channel_host=self.settings.side_channel_host,
             side_channel_port=self.side_channel_port, tp_size=self.tp_size,
@@ -162,14 +167,15 @@ class FlagCXConnector(PortableConnectorBase):
             kv_cache_config, recovery)
         if (bool(vllm_config.kv_transfer_config.is_kv_consumer) and half.has_sliding
                 and recovery.mode is None):
+            flag = SCHEDULER_FLAGS[bool(getattr(vllm_config.scheduler_config,
+                                                "async_scheduling", False))]
             raise RuntimeError(
-                "FlagCXConnector (decode): this vLLM build gives a connector no way to "
-                "recompute a failed KV load over a clean block table (no "
-                "KVConnectorOutput.failed_recving, and Scheduler."
-                "_update_waiting_for_remote_kv does not free failed loads, or the "
-                "scheduler was not found), and this model has sliding-window layers, "
-                "where a recompute over the loaded blocks gives wrong output. Run this "
-                "instance as kv_role=kv_producer, or use vLLM >= 0.18 for decode. "
+                "FlagCXConnector (decode): this model has sliding-window layers, where a "
+                "failed KV load must recompute over a clean block table, and this vLLM "
+                "build gives a connector no handle on its scheduler to do that (no "
+                "KVConnectorOutput.failed_recving). Fix: start decode with "
+                f"{flag} (vLLM's scheduler, handing itself to the connector), run this "
+                "instance as kv_role=kv_producer, or use vLLM >= 0.34 for decode. "
                 "Run `vllm-flagcx doctor`.")
         log_capabilities_once(vllm_config, self.engine_id,
                               [g.kind.value for g in half.groups])
@@ -208,10 +214,11 @@ class FlagCXConnector(PortableConnectorBase):
 
     def update_connector_output(self, connector_output: object) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        self._scheduler_half().update_connector_output(
+        freed_as_sent = self._scheduler_half().update_connector_output(
             getattr(connector_output, "finished_sending", None),
             getattr(connector_output, "finished_recving", None),
             meta.failed_recving if isinstance(meta, FlagCXWorkerMetadata) else None)
+        report_as_sent(connector_output, freed_as_sent)
 
     def on_preemptions(self, req_ids: set[str]) -> None:
         if self.scheduler is not None:

@@ -133,7 +133,6 @@ class SchedulerHalf:
         self._pending = FlagCXMetadataPayload()
         self.held = HeldSends()  # prefill: the requests whose KV it holds for a decode
         self.loads = Loads()  # decode: one slot per request that loads (connector.loads)
-        self._freed_here: set[str] = set()  # KEPT loads freed by us (0.13) last step
         self._truncated: set[RequestId] = set()  # prefill: cut to N-1 (Mamba), until done
         self.recomputed_after_failure = 0
         self.rejected_params = 0
@@ -275,7 +274,7 @@ class SchedulerHalf:
             # A pull may be writing into these blocks right now: keep them (KEPT). Every
             # dispatched pull ends (done, failed or timed out) in finished_recving, which
             # is where vLLM frees the blocks of a request that already finished (0.13: we
-            # do, compat.recovery.free_finished_load).
+            # do, compat.recovery.report_as_sent).
             return True, None
         if refused is not None:  # the client learns its KV was computed here, and why
             return False, wire_params.not_loaded_params(refused)
@@ -316,9 +315,11 @@ class SchedulerHalf:
 
     def update_connector_output(self, finished_sending: set[str] | None,
                                 finished_recving: set[str] | None,
-                                failed_recving: set[str] | None = None) -> None:
+                                failed_recving: set[str] | None = None) -> set[str]:
         """Finished transfers; ``failed_recving`` are receives our workers reported failed
         through worker metadata (builds where vLLM has no request-level failure path).
+        Returns the requests that finished while their load was in flight and whose load
+        just ended: vLLM may free their blocks now (``compat.recovery.report_as_sent``).
 
         Those requests recompute from scratch through vLLM's own failure path
         (``compat.recovery``: their blocks are freed, the next schedule allocates a clean
@@ -337,13 +338,11 @@ class SchedulerHalf:
                 continue  # reported through KVConnectorOutput.failed_recving: vLLM's own
             if not self.recovery.recompute(request) and not self.has_sliding:
                 request.num_computed_tokens = 0
-        self.recovery.forget(self._freed_here)
-        self._freed_here = set()
-        for req_id in map(RequestId, finished_recving or ()):
-            if self.loads.land(req_id) and self.recovery.free_finished(req_id):
-                self._freed_here.add(req_id)
+        ended: set[str] = {r for r in map(RequestId, finished_recving or ())
+                           if self.loads.land(r)}
         for sent in map(RequestId, finished_sending or ()):
             self.held.sent(sent)
+        return ended
 
     def _yields(self, request_id: RequestId) -> bool:
         """Must this request, whose load failed, let the block holders go first?
