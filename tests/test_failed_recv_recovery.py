@@ -30,7 +30,7 @@ from vllm_flagcx.compat.kv_cache import SpecKind, group_facts, strip_null_blocks
 from vllm_flagcx.compat.recovery import (
     NATIVE,
     SCHEDULER_FAILED_SET,
-    SCHEDULER_FLAGS,
+    SCHEDULER_FLAG,
     recovery_probe,
 )
 
@@ -122,7 +122,7 @@ def test_failed_receive_recomputes_over_a_clean_block_table(model, failure, pref
 
 @pytest.mark.parametrize("model", ["hybrid", "dense"])
 def test_a_failed_receive_recomputes_without_the_handed_over_scheduler(model):
-    """Under vLLM's own Scheduler (no ``--scheduler-cls``) 0.13-0.22 offer the connector
+    """Under vLLM's own Scheduler (no ``--scheduler-cls``) 0.13-0.28 offer the connector
     no failure set: the request recomputes from token 0 over the blocks allocated for its
     load, which is right without sliding-window groups. Same checks as above."""
     if model != "dense" and not _recovery_supported():
@@ -270,11 +270,11 @@ def test_burst_of_failed_receives_in_a_tight_decode_pool_all_finish(num_blocks):
 @pytest.mark.parametrize("hands_over", [True, False], ids=["flagcx-scheduler", "vllm-scheduler"])
 def test_only_a_scheduler_that_hands_itself_over_recovers_a_sliding_window_decode(
         model, hands_over):
-    """0.13-0.22 give a connector no handle on its scheduler (and no frame walk finds one):
+    """0.13-0.28 give a connector no handle on its scheduler (and no frame walk finds one):
     a sliding-window decode starts only under ``compat.schedulers`` (``--scheduler-cls``,
     named in the refusal), which hands itself to the connector. vLLM's own Scheduler
     still runs every other model (a failed load recomputes over its allocated blocks:
-    ``test_a_failed_receive_recomputes_without_the_handed_over_scheduler``); 0.34 reports
+    ``test_a_failed_receive_recomputes_without_the_handed_over_scheduler``); 0.30+ report
     failures natively and needs neither."""
     if not _recovery_supported():
         pytest.skip("multi-group decode is refused on this build")
@@ -282,7 +282,7 @@ def test_only_a_scheduler_that_hands_itself_over_recovers_a_sliding_window_decod
     build = functools.partial(pd.build_instance, "kv_consumer", 1, pd.free_port(),
                               model=model, hands_over=hands_over)
     if model == "sliding" and not hands_over and not native:
-        with pytest.raises(RuntimeError, match=re.escape(SCHEDULER_FLAGS[False])):
+        with pytest.raises(RuntimeError, match=re.escape(SCHEDULER_FLAG)):
             build()
         return
     d = build()
@@ -294,21 +294,24 @@ def test_only_a_scheduler_that_hands_itself_over_recovers_a_sliding_window_decod
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_the_scheduler_flags_name_vllms_schedulers_handing_themselves_over(async_scheduling):
-    """Each ``--scheduler-cls`` value the refusal names imports, is vLLM's scheduler of that
-    kind, and hands itself to the FlagCXConnector it constructs (and to no later one)."""
+def test_the_scheduler_flag_names_vllms_scheduler_of_either_mode_handing_itself_over(
+        async_scheduling):
+    """The ``--scheduler-cls`` value the refusal names imports and builds vLLM's scheduler
+    of the engine's mode (async scheduling is vLLM 0.2x's default on GPUs: a sync
+    scheduler there would run under the async engine loop), which hands itself to the
+    FlagCXConnector it constructs, and to no later one."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_flagcx.compat.recovery import handed_over_scheduler
 
-    module, _, name = SCHEDULER_FLAGS[async_scheduling].split()[-1].rpartition(".")
+    module, _, name = SCHEDULER_FLAG.split()[-1].rpartition(".")
     cls = getattr(importlib.import_module(module), name)
-    assert issubclass(cls, AsyncScheduler if async_scheduling else Scheduler)
     config = harness.make_vllm_config(kv_role="kv_consumer",
                                       extra_config={"side_channel_port": pd.free_port()})
+    config.scheduler_config.async_scheduling = async_scheduling
     scheduler = harness.make_scheduler(config, harness.dense_kv_cache_config(), cls)
     try:
+        assert isinstance(scheduler, AsyncScheduler) == async_scheduling
         recovery = scheduler.connector.scheduler.recovery
         assert recovery.mode == recovery_probe()
         assert recovery.mode == NATIVE or recovery._scheduler() is scheduler

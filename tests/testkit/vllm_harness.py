@@ -127,7 +127,7 @@ def dense_kv_cache_config(num_blocks: int = 64, block_size: int = 16,
 def scheduler_class(hands_over: bool = True) -> Any:
     """vLLM's v1 Scheduler; by default the package's subclass that hands itself to its
     connector (``--scheduler-cls``, ``compat.schedulers``), as the docs tell a decode of a
-    sliding-window model on 0.13-0.22 to run."""
+    sliding-window model on 0.13-0.28 to run."""
     if hands_over:
         from vllm_flagcx.compat.schedulers import FlagCXScheduler
 

@@ -18,13 +18,13 @@ How, per build (what each write is, and why there):
 =========  ==============================================  ===========================
 build      failed load: recompute from a clean table       finished during its load
 =========  ==============================================  ===========================
-0.34+      ``KVConnectorOutput.failed_recving`` (vLLM's)   vLLM frees it
-0.18-0.22  scheduler's ``failed_recving_kv_req_ids``,      vLLM frees it
+0.30+      ``KVConnectorOutput.failed_recving`` (vLLM's)   vLLM frees it
+0.18-0.28  scheduler's ``failed_recving_kv_req_ids``,      vLLM frees it
            request's ``num_computed_tokens = 0``
-0.13       as 0.18-0.22                                    ``finished_sending``
+0.13       as 0.18-0.28                                    ``finished_sending``
 =========  ==============================================  ===========================
 
-0.13-0.22 give a connector no request-level report and no handle on its scheduler. The
+0.13-0.28 give a connector no request-level report and no handle on its scheduler. The
 scheduler hands itself over when it is one of ``compat.schedulers`` (``--scheduler-cls``);
 otherwise a failed load recomputes over the blocks allocated for it
 (``num_computed_tokens = 0``), which is right unless the model has sliding-window groups:
@@ -54,11 +54,8 @@ from vllm_flagcx.compat.vllm_types import VllmRequest
 NATIVE = "native"
 SCHEDULER_FAILED_SET = "scheduler_failed_set"
 
-# the --scheduler-cls value for an engine without / with async scheduling
-SCHEDULER_FLAGS = {
-    False: "--scheduler-cls vllm_flagcx.compat.schedulers.FlagCXScheduler",
-    True: "--scheduler-cls vllm_flagcx.compat.schedulers.FlagCXAsyncScheduler",
-}
+# what a decode engine passes vLLM so that its scheduler hands itself over (either mode)
+SCHEDULER_FLAG = "--scheduler-cls vllm_flagcx.compat.schedulers.FlagCXScheduler"
 _HANDED_OVER: contextvars.ContextVar[object | None] = contextvars.ContextVar(
     "flagcx_scheduler_under_construction", default=None)
 

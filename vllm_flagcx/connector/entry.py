@@ -35,7 +35,7 @@ from vllm_flagcx.compat.kv_cache import (
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
 from vllm_flagcx.compat.recovery import (
-    SCHEDULER_FLAGS,
+    SCHEDULER_FLAG,
     LoadFailureRecovery,
     handed_over_scheduler,
     report_as_sent,
@@ -167,15 +167,13 @@ class FlagCXConnector(PortableConnectorBase):
             kv_cache_config, recovery)
         if (bool(vllm_config.kv_transfer_config.is_kv_consumer) and half.has_sliding
                 and recovery.mode is None):
-            flag = SCHEDULER_FLAGS[bool(getattr(vllm_config.scheduler_config,
-                                                "async_scheduling", False))]
             raise RuntimeError(
                 "FlagCXConnector (decode): this model has sliding-window layers, where a "
                 "failed KV load must recompute over a clean block table, and this vLLM "
                 "build gives a connector no handle on its scheduler to do that (no "
                 "KVConnectorOutput.failed_recving). Fix: start decode with "
-                f"{flag} (vLLM's scheduler, handing itself to the connector), run this "
-                "instance as kv_role=kv_producer, or use vLLM >= 0.34 for decode. "
+                f"{SCHEDULER_FLAG} (vLLM's scheduler, handing itself to the connector), run "
+                "this instance as kv_role=kv_producer, or use vLLM >= 0.30 for decode. "
                 "Run `vllm-flagcx doctor`.")
         log_capabilities_once(vllm_config, self.engine_id,
                               [g.kind.value for g in half.groups])

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vllm_flagcx.compat.plugin import plugins_note
+from vllm_flagcx.compat.recovery import SCHEDULER_FLAG
 from vllm_flagcx.demo import model as demo_model
 from vllm_flagcx.demo import servers as sv
 
@@ -113,7 +114,9 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
     its monolithic answers never reuse KV from an earlier transfer. Each engine gets its own
     half of the machine's CPUs (``servers.split_cpus``) and the same CPU kernel path
     (``servers.engine_cpu_isa_env``). ``engine_args`` go to both engines (the GPU suite's
-    ``--attention-backend``, ``--gpu-memory-utilization``); ``by_name``: see ``kv_config``."""
+    ``--attention-backend``, ``--gpu-memory-utilization``); ``by_name``: see ``kv_config``.
+    Decode runs the scheduler that hands itself to its connector (``SCHEDULER_FLAG``), as
+    README's decode command does: the demo's sliding-window model needs it before 0.30."""
     prefill_cpus, decode_cpus = sv.split_cpus(2)
     prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
                              kv_config("kv_producer", side_channel_port, by_name=by_name),
@@ -121,8 +124,8 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
                              dtype=dtype, cpu_isa=cpu_isa, max_model_len=max_model_len)
     decode = sv.vllm_server("decode", python, model, decode_port, workdir / "decode.log",
                             kv_config("kv_consumer", side_channel_port, test_faults, by_name),
-                            list(engine_args), cpus=decode_cpus, dtype=dtype, cpu_isa=cpu_isa,
-                            max_model_len=max_model_len)
+                            [*SCHEDULER_FLAG.split(), *engine_args], cpus=decode_cpus,
+                            dtype=dtype, cpu_isa=cpu_isa, max_model_len=max_model_len)
     router = sv.router_server(python, router_port, workdir / "router.log", [prefill],
                               [decode], side_channel_port)
     return prefill, decode, router
