@@ -27,7 +27,7 @@ from testkit.vllm_reads import failure_policy
 
 from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.kv_cache import SpecKind, group_facts, strip_null_blocks
-from vllm_flagcx.compat.recovery import (
+from vllm_flagcx.compat.vllm_writes import (
     NATIVE,
     SCHEDULER_FAILED_SET,
     SCHEDULER_FLAG,
@@ -302,7 +302,7 @@ def test_the_scheduler_flag_names_vllms_scheduler_of_either_mode_handing_itself_
     FlagCXConnector it constructs, and to no later one."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from vllm_flagcx.compat.recovery import handed_over_scheduler
+    from vllm_flagcx.compat.vllm_writes import handed_over_scheduler
 
     module, _, name = SCHEDULER_FLAG.split()[-1].rpartition(".")
     cls = getattr(importlib.import_module(module), name)

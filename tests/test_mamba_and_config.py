@@ -6,7 +6,7 @@ import pytest
 from testkit import pd_caches, vllm_reads
 from testkit import vllm_harness as harness
 
-from vllm_flagcx.compat import config
+from vllm_flagcx.compat import config, vllm_writes
 from vllm_flagcx.compat import kv_cache as mamba
 from vllm_flagcx.connector.scheduler import SchedulerHalf, SchedulerSettings
 
@@ -35,7 +35,7 @@ def test_truncate_for_prefill_cuts_once_and_leaves_the_params_alone():
 
 def test_truncate_needs_transfer_params():
     request = harness.make_request(10)
-    assert mamba.truncate_for_prefill(request) is False
+    assert vllm_writes.truncate_for_prefill(request) is False
     assert request.num_prompt_tokens == 10
 
 

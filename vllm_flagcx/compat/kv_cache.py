@@ -38,7 +38,6 @@ from typing import Any
 from vllm_flagcx.compat.capabilities import capabilities
 from vllm_flagcx.compat.probe import optional, resolve
 from vllm_flagcx.compat.vllm_types import KVCacheConfigLike
-from vllm_flagcx.wire.params import seeds_first_token
 
 
 class SpecKind(str, enum.Enum):
@@ -280,32 +279,3 @@ def remote_prefill_token_count(num_prompt_tokens: int, has_mamba: bool,
     if has_mamba:
         return wanted if wanted == held else None
     return min(wanted, held)
-
-
-def truncate_for_prefill(request: Any, hash_block_size: int | None = None) -> bool:
-    """Prefill side: drop the last prompt token. The caller cuts each request once (a
-    preempted request comes back through the same hook); the user's ``kv_transfer_params``
-    are only read.
-
-    Returns True when this call truncated. Block hashes covering the dropped token are
-    discarded too (``Request.truncate_block_hashes`` on 0.34, the same rule elsewhere), so
-    a later prefix-cache lookup cannot match a block holding a token that was never run.
-    """
-    params = request.kv_transfer_params
-    if params is None or request.num_prompt_tokens <= 1 or seeds_first_token(params):
-        return False  # seeded: decode continues from prompt + [t1] (wire.params)
-    if request.prompt_token_ids is not None:
-        request.prompt_token_ids.pop()
-    elif getattr(request, "prompt_embeds", None) is not None:
-        request.prompt_embeds = request.prompt_embeds[:-1]
-    else:
-        return False
-    request._all_token_ids.pop()
-    request.num_prompt_tokens -= 1
-    request.max_tokens = 1
-    if hash_block_size:
-        if capabilities().truncate_block_hashes == "native":
-            request.truncate_block_hashes(hash_block_size)
-        elif getattr(request, "block_hashes", None) is not None:
-            del request.block_hashes[request.num_tokens // hash_block_size:]
-    return True

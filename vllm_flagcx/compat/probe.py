@@ -341,7 +341,7 @@ FEATURES: tuple[FeatureProbe, ...] = (
                  " (the recompute path of hybrid requests before 0.34)"),
     FeatureProbe("finished_load_blocks", "blocks", _finished_load_blocks, False,
                  "a scheduler that frees a finished request's blocks when finished_recving"
-                 " names it (else the connector reports it sent: compat.recovery)"),
+                 " names it (else the connector reports it sent: compat.vllm_writes)"),
     FeatureProbe("mamba_align_external_tokens", "mamba", _mamba_align_external_tokens, False,
                  "Scheduler._mamba_block_aligned_split accepting external (remote) tokens"
                  " (prefix caching on a hybrid decode)"),

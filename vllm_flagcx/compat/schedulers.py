@@ -2,9 +2,9 @@
 
 vLLM 0.13-0.28 give a KV connector no handle on the scheduler that owns it, and a failed
 load of a sliding-window model can only recompute correctly through the scheduler's own
-failure set (``compat.recovery``). These subclasses change nothing but that: while vLLM's
+failure set (``compat.vllm_writes``). These subclasses change nothing but that: while vLLM's
 ``__init__`` builds the connector, the connector can find them. One value serves both of
-vLLM's modes (``compat.recovery.SCHEDULER_FLAG``): ``FlagCXScheduler`` builds the async
+vLLM's modes (``compat.vllm_writes.SCHEDULER_FLAG``): ``FlagCXScheduler`` builds the async
 variant when the engine resolved async scheduling on, as vLLM's own default does.
 
 Importing this module imports vLLM's scheduler; the connector never imports it.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_flagcx.compat.recovery import handing_over
+from vllm_flagcx.compat.vllm_writes import handing_over
 
 
 def _async_scheduling(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 
 class VllmRequest(Protocol):
-    """vLLM's ``Request`` as the scheduler half uses it (``truncate_for_prefill`` writes more)."""
+    """vLLM's ``Request`` as the scheduler half uses it (``compat.vllm_writes`` writes more)."""
 
     request_id: str
     num_prompt_tokens: int

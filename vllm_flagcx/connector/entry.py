@@ -34,13 +34,13 @@ from vllm_flagcx.compat.kv_cache import (
     require_mamba_align_accepts_remote_loads,
 )
 from vllm_flagcx.compat.plugin import adopt_vllm_logging
-from vllm_flagcx.compat.recovery import (
+from vllm_flagcx.compat.vllm_types import KVCacheConfigLike, VllmRequest
+from vllm_flagcx.compat.vllm_writes import (
     SCHEDULER_FLAG,
     LoadFailureRecovery,
     handed_over_scheduler,
     report_as_sent,
 )
-from vllm_flagcx.compat.vllm_types import KVCacheConfigLike, VllmRequest
 from vllm_flagcx.connector.common.metadata import FlagCXMetadataPayload, RequestId
 from vllm_flagcx.connector.common.settings import (
     ConnectorSettings,
@@ -156,7 +156,7 @@ class FlagCXConnector(PortableConnectorBase):
     def _make_scheduler(self, vllm_config: Any, kv_cache_config: KVCacheConfigLike | None
                         ) -> SchedulerHalf:
         """The scheduler half, with the scheduler constructing us when it handed itself
-        over (``compat.recovery`` says why). A decode of a sliding-window model on a build
+        over (``compat.vllm_writes`` says why). A decode of a sliding-window model on a build
         with no clean recompute path is refused here, naming the fix."""
         recovery = LoadFailureRecovery(handed_over_scheduler())
         half = SchedulerHalf(SchedulerSettings(

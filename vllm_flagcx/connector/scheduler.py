@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_flagcx.compat import kv_cache as compat_kv
+from vllm_flagcx.compat import vllm_writes
 from vllm_flagcx.compat.kv_cache import SpecKind
-from vllm_flagcx.compat.recovery import NATIVE, LoadFailureRecovery
 from vllm_flagcx.compat.vllm_types import KVCacheConfigLike, VllmRequest
+from vllm_flagcx.compat.vllm_writes import LoadFailureRecovery
 from vllm_flagcx.connector.common.metadata import (
     FlagCXMetadataPayload,
     RecvTask,
@@ -154,17 +155,13 @@ class SchedulerHalf:
             self.heartbeats.wake()
 
     def _params(self, request: VllmRequest) -> Mapping[str, Any]:
-        """The request's ``kv_transfer_params`` when they are an object, read and never
-        changed. Anything else (reachable through ``vllm_xargs``) is ignored with a warning
-        and replaced by None, the one write: vLLM 0.34's own ``add_request`` calls
-        ``.get`` on it right after ``on_new_request`` and would crash the engine."""
+        """The request's ``kv_transfer_params`` when they are an object, only read;
+        anything else is refused with a warning (``vllm_writes.drop_unusable_params``)."""
+        why = vllm_writes.drop_unusable_params(request)
+        if why is not None:
+            self._refuse(request.request_id, why)
         params = request.kv_transfer_params
-        if params is None or isinstance(params, Mapping):
-            return params or {}
-        self._refuse(request.request_id, f"kv_transfer_params must be an object, got "
-                     f"{type(params).__name__}; ignored")
-        request.kv_transfer_params = None
-        return {}
+        return params if isinstance(params, Mapping) else {}
 
     def _refuse(self, request_id: str, why: str) -> None:
         self.rejected_params += 1
@@ -196,7 +193,7 @@ class SchedulerHalf:
         params = self._params(request)
         if (wire_params.wants_remote_decode(params) and self.has_mamba
                 and request_id not in self._truncated
-                and compat_kv.truncate_for_prefill(request, self.hash_block_size)):
+                and vllm_writes.truncate_for_prefill(request, self.hash_block_size)):
             self._truncated.add(request_id)  # once: preemption brings it back here
         remote = self._remote(request)
         if remote is None:
@@ -274,7 +271,7 @@ class SchedulerHalf:
             # A pull may be writing into these blocks right now: keep them (KEPT). Every
             # dispatched pull ends (done, failed or timed out) in finished_recving, which
             # is where vLLM frees the blocks of a request that already finished (0.13: we
-            # do, compat.recovery.report_as_sent).
+            # do, compat.vllm_writes.report_as_sent).
             return True, None
         if refused is not None:  # the client learns its KV was computed here, and why
             return False, wire_params.not_loaded_params(refused)
@@ -319,10 +316,10 @@ class SchedulerHalf:
         """Finished transfers; ``failed_recving`` are receives our workers reported failed
         through worker metadata (builds where vLLM has no request-level failure path).
         Returns the requests that finished while their load was in flight and whose load
-        just ended: vLLM may free their blocks now (``compat.recovery.report_as_sent``).
+        just ended: vLLM may free their blocks now (``compat.vllm_writes.report_as_sent``).
 
         Those requests recompute from scratch through vLLM's own failure path
-        (``compat.recovery``: their blocks are freed, the next schedule allocates a clean
+        (``compat.vllm_writes``: their blocks are freed, the next schedule allocates a clean
         block table), exactly what 0.34's recompute path does. Without that path (a build
         that lacks it), ``num_computed_tokens = 0`` over the allocated blocks is right only
         without sliding-window groups, and the connector refused to start otherwise.
@@ -334,10 +331,7 @@ class SchedulerHalf:
             if request is None:
                 continue
             self.recomputed_after_failure += 1
-            if self.recovery.mode == NATIVE:
-                continue  # reported through KVConnectorOutput.failed_recving: vLLM's own
-            if not self.recovery.recompute(request) and not self.has_sliding:
-                request.num_computed_tokens = 0
+            self.recovery.recompute(request, in_place=not self.has_sliding)
         ended: set[str] = {r for r in map(RequestId, finished_recving or ())
                            if self.loads.land(r)}
         for sent in map(RequestId, finished_sending or ()):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vllm_flagcx.compat.plugin import plugins_note
-from vllm_flagcx.compat.recovery import SCHEDULER_FLAG
+from vllm_flagcx.compat.vllm_writes import SCHEDULER_FLAG
 from vllm_flagcx.demo import model as demo_model
 from vllm_flagcx.demo import servers as sv
 
