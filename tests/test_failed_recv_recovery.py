@@ -293,6 +293,21 @@ def test_only_a_scheduler_that_hands_itself_over_recovers_a_sliding_window_decod
         d.shutdown()
 
 
+def test_the_scheduler_hands_itself_to_flagcx_inside_vllms_multi_connector():
+    """NVIDIA Dynamo wraps the connector in vLLM's MultiConnector, which builds it inside
+    the same scheduler ``__init__``: the handed-over scheduler still reaches it."""
+    if not _recovery_supported():
+        pytest.skip("multi-group decode is refused on this build")
+    d = pd.build_instance("kv_consumer", 1, pd.free_port(), model="sliding", multi=True)
+    try:
+        [flagcx] = d.scheduler.connector._connectors
+        recovery = flagcx.scheduler.recovery
+        assert recovery.mode == recovery_probe()
+        assert recovery.mode == NATIVE or recovery._scheduler() is d.scheduler
+    finally:
+        d.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_scheduler_flag_names_vllms_scheduler_of_either_mode_handing_itself_over(
         async_scheduling):
