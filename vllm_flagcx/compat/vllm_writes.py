@@ -115,7 +115,7 @@ def recovery_mode(scheduler_cls: Any | None) -> str | None:
 
 
 def recovery_probe() -> str:
-    """The mode this build offers to its own ``Scheduler`` ("absent" for none)."""
+    """The mode this build offers a handed-over ``Scheduler`` ("absent" for none)."""
     return recovery_mode(resolve("Scheduler")) or "absent"
 
 
@@ -141,6 +141,7 @@ class LoadFailureRecovery:
         elif not in_place:
             return
         request.num_computed_tokens = 0
+
 
 def report_as_sent(output: Any, request_ids: set[str]) -> None:
     """Where vLLM does not free the blocks of a finished request that ``finished_recving``
