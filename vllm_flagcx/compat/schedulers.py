@@ -1,13 +1,8 @@
 """vLLM's scheduler, handing itself to its connector: the ``--scheduler-cls`` value.
 
-vLLM 0.13-0.28 give a KV connector no handle on the scheduler that owns it, and a failed
-load of a sliding-window model can only recompute correctly through the scheduler's own
-failure set (``compat.vllm_writes``). These subclasses change nothing but that: while vLLM's
-``__init__`` builds the connector, the connector can find them. One value serves both of
-vLLM's modes (``compat.vllm_writes.SCHEDULER_FLAG``): ``FlagCXScheduler`` builds the async
-variant when the engine resolved async scheduling on, as vLLM's own default does.
-
-Importing this module imports vLLM's scheduler; the connector never imports it.
+Nothing changes but that, while vLLM's ``__init__`` builds the connector (why:
+``compat.vllm_writes``). ``FlagCXScheduler`` builds the async variant when the engine
+resolved async scheduling on. Importing this module imports vLLM's scheduler.
 """
 
 from __future__ import annotations

@@ -1,60 +1,25 @@
 """Every write the connector makes into vLLM's objects, per build, and why.
 
-=============================  ==========  =================================================
-write (object: fields)         builds      why
-=============================  ==========  =================================================
-``truncate_for_prefill``       all         prefill of a Mamba/GDN model for an unseeded
-(Request: prompt ids, token                decode: decode recomputes the last prompt token
-ids, counts, max_tokens,                   to derive the recurrent state after it, so
-block hashes)                              prefill runs N-1 tokens (``wire.params``)
-``drop_unusable_params``       all         ``kv_transfer_params`` that are not an object
-(Request: kv_transfer_params)              (reachable through ``vllm_xargs``) become None:
-                                           0.34's ``add_request`` calls ``.get`` on them
-``LoadFailureRecovery``        0.13-0.28   a failed load recomputes from token 0 over a
-(Scheduler: failed set;                    clean block table (below)
-Request: num_computed_tokens)
-``report_as_sent``             0.13        a request finished during its load gets its
-(KVConnectorOutput: finished               blocks back (below)
-sets, the connector's own)
-=============================  ==========  =================================================
-
-The user's ``kv_transfer_params`` are never changed; nothing else is written.
-
-**A failed load** must do what vLLM 0.34's ``_handle_failed_recving`` does: the request's
-``num_computed_tokens`` goes to 0 and its id joins the scheduler's
-``failed_recving_kv_req_ids``; when the request is promoted, vLLM's
-``_update_waiting_for_remote_kv`` then FREES its blocks instead of caching them, and the
-next schedule allocates a clean block table (local prefix hits included) and recomputes.
-``num_computed_tokens = 0`` alone takes the SUCCESS branch over the blocks allocated for
-the load, and for a sliding-window group those already had their out-of-window entries
-replaced by the shared null block (``remove_skipped_blocks`` runs inside
-``allocate_slots``): the prompt was recomputed over null blocks (wrong text, HTTP 200),
-then vLLM's ``can_fit_full_sequence`` assertion killed the engine (measured on 0.20.2 and
-0.22.0). Per build:
-
-=========  ==============================================  ===========================
-build      failed load: recompute from a clean table       finished during its load
-=========  ==============================================  ===========================
-0.30+      ``KVConnectorOutput.failed_recving`` (vLLM's)   vLLM frees it
-0.18-0.28  scheduler's ``failed_recving_kv_req_ids``,      vLLM frees it
-           request's ``num_computed_tokens = 0``
-0.13       as 0.18-0.28                                    ``finished_sending``
-=========  ==============================================  ===========================
-
-0.13-0.28 give a connector no request-level report and no handle on its scheduler. The
-scheduler hands itself over when it is ``compat.schedulers.FlagCXScheduler``
-(``--scheduler-cls``); otherwise a failed load recomputes over the blocks allocated for
-it (``num_computed_tokens = 0`` alone), which is right unless the model has sliding-window
-groups: there a decode without the handed-over scheduler is refused at start, naming the
-flag.
-
-**A request that finishes while its load is in flight** (aborted, or failed by
-``kv_load_failure_policy=fail``) keeps its blocks until no write can land (the
-connector's ``request_finished`` answers True); 0.20+ free them when ``finished_recving``
-names the request, 0.13 only records the id (measured: every such request leaked its
-blocks). vLLM calls ``update_connector_output`` before it reads the output, so the
-connector moves the id to ``finished_sending``, which 0.13 frees with its own
-``_free_blocks``.
+- ``truncate_for_prefill`` (Request: prompt and token ids, counts, ``max_tokens``, block
+  hashes), all builds: prefill of a Mamba/GDN model for an unseeded decode runs N-1 tokens,
+  because decode recomputes the last one to derive the state after it (``wire.params``).
+- ``drop_unusable_params`` (Request: ``kv_transfer_params``), all builds: a value that is
+  not an object (through ``vllm_xargs``) becomes None; 0.34's ``add_request`` calls
+  ``.get`` on it. The user's own ``kv_transfer_params`` are never changed.
+- ``LoadFailureRecovery`` (Scheduler: ``failed_recving_kv_req_ids``; Request:
+  ``num_computed_tokens``), 0.13-0.28: a failed load recomputes from token 0 over a clean
+  block table, as 0.30+ do for ``KVConnectorOutput.failed_recving``: in the failed set,
+  vLLM's ``_update_waiting_for_remote_kv`` FREES the blocks and the next schedule
+  allocates anew. ``num_computed_tokens = 0`` alone recomputes over the blocks allocated
+  for the load, wrong for a sliding-window group, whose out-of-window entries are already
+  the null block (wrong text with HTTP 200, then vLLM's ``can_fit_full_sequence``
+  assertion killed the engine: measured on 0.20.2 and 0.22.0). vLLM gives a connector no
+  handle on its scheduler; ``compat.schedulers.FlagCXScheduler`` (``--scheduler-cls``)
+  hands itself over, and without it a sliding-window decode is refused at start.
+- ``report_as_sent`` (the connector's own KVConnectorOutput), 0.13: a request finished
+  while its load was in flight keeps its blocks until no write can land; 0.20+ free them
+  when ``finished_recving`` names it, 0.13 only records the id (every such request leaked
+  its blocks), so the id moves to ``finished_sending``, which 0.13 frees itself.
 """
 
 from __future__ import annotations
@@ -95,21 +60,15 @@ def handed_over_scheduler() -> object | None:
     return _HANDED_OVER.get()
 
 
-def _frees_failed_loads(scheduler_cls: Any) -> bool:
-    """Does this scheduler free the blocks of a request in ``failed_recving_kv_req_ids``?
-    The capability is read from vLLM's own Scheduler; a subclass that overrides the method
-    is not trusted to do the same."""
-    method = "_update_waiting_for_remote_kv"
-    return (capabilities().failed_load_blocks == "freed"
-            and getattr(scheduler_cls, method, None) is getattr(resolve("Scheduler"), method))
-
-
 def recovery_mode(scheduler_cls: Any | None) -> str | None:
-    """``native``, ``scheduler_failed_set`` or None (see the module docstring);
-    ``scheduler_cls`` None: no scheduler was found to hand failures to."""
+    """``native`` (vLLM takes the report), ``scheduler_failed_set`` (a handed-over
+    scheduler whose class frees a failed load's blocks as vLLM's own does; a subclass that
+    overrides that method is not trusted) or None."""
     if capabilities().hybrid_load_failure_report == "failed_recving":
         return NATIVE
-    if scheduler_cls is not None and _frees_failed_loads(scheduler_cls):
+    method = "_update_waiting_for_remote_kv"
+    if (scheduler_cls is not None and capabilities().failed_load_blocks == "freed"
+            and getattr(scheduler_cls, method, None) is getattr(resolve("Scheduler"), method)):
         return SCHEDULER_FAILED_SET
     return None
 

@@ -155,9 +155,8 @@ class FlagCXConnector(PortableConnectorBase):
 
     def _make_scheduler(self, vllm_config: Any, kv_cache_config: KVCacheConfigLike | None
                         ) -> SchedulerHalf:
-        """The scheduler half, with the scheduler constructing us when it handed itself
-        over (``compat.vllm_writes`` says why). A decode of a sliding-window model on a build
-        with no clean recompute path is refused here, naming the fix."""
+        """The scheduler half, with the scheduler constructing us if it handed itself over;
+        a sliding-window decode without a clean recompute path is refused (``vllm_writes``)."""
         recovery = LoadFailureRecovery(handed_over_scheduler())
         half = SchedulerHalf(SchedulerSettings(
             engine_id=self.engine_id, side_channel_host=self.settings.side_channel_host,
@@ -168,13 +167,10 @@ class FlagCXConnector(PortableConnectorBase):
         if (bool(vllm_config.kv_transfer_config.is_kv_consumer) and half.has_sliding
                 and recovery.mode is None):
             raise RuntimeError(
-                "FlagCXConnector (decode): this model has sliding-window layers, where a "
-                "failed KV load must recompute over a clean block table, and this vLLM "
-                "build gives a connector no handle on its scheduler to do that (no "
-                "KVConnectorOutput.failed_recving). Fix: start decode with "
-                f"{SCHEDULER_FLAG} (vLLM's scheduler, handing itself to the connector), run "
-                "this instance as kv_role=kv_producer, or use vLLM >= 0.30 for decode. "
-                "Run `vllm-flagcx doctor`.")
+                "FlagCXConnector (decode): a failed KV load of this sliding-window model "
+                "must recompute over a clean block table, which this vLLM build lets a "
+                "connector do only through its scheduler. Fix: start decode with "
+                f"{SCHEDULER_FLAG}, or use vLLM >= 0.30 for decode (`vllm-flagcx doctor`).")
         log_capabilities_once(vllm_config, self.engine_id,
                               [g.kind.value for g in half.groups])
         return half

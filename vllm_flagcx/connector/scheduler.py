@@ -313,17 +313,10 @@ class SchedulerHalf:
     def update_connector_output(self, finished_sending: set[str] | None,
                                 finished_recving: set[str] | None,
                                 failed_recving: set[str] | None = None) -> set[str]:
-        """Finished transfers; ``failed_recving`` are receives our workers reported failed
-        through worker metadata (builds where vLLM has no request-level failure path).
-        Returns the requests that finished while their load was in flight and whose load
-        just ended: vLLM may free their blocks now (``compat.vllm_writes.report_as_sent``).
-
-        Those requests recompute from scratch through vLLM's own failure path
-        (``compat.vllm_writes``: their blocks are freed, the next schedule allocates a clean
-        block table), exactly what 0.34's recompute path does. Without that path (a build
-        that lacks it), ``num_computed_tokens = 0`` over the allocated blocks is right only
-        without sliding-window groups, and the connector refused to start otherwise.
-        """
+        """Finished transfers; ``failed_recving``: receives our workers reported failed
+        (builds where vLLM has no request-level report), recomputed as
+        ``compat.vllm_writes`` says. Returns the requests that finished during their load
+        and whose load just ended: vLLM may free their blocks now (``report_as_sent``)."""
         for req_id in map(RequestId, failed_recving or ()):
             # with a recovery mode vLLM frees its blocks, and it yields: see _yields
             request = self.loads.fail(req_id, vllm_frees=self.recovery.mode is not None,

@@ -115,8 +115,7 @@ def deployment(python: str, model: Path, workdir: Path, router_port: int, prefil
     half of the machine's CPUs (``servers.split_cpus``) and the same CPU kernel path
     (``servers.engine_cpu_isa_env``). ``engine_args`` go to both engines (the GPU suite's
     ``--attention-backend``, ``--gpu-memory-utilization``); ``by_name``: see ``kv_config``.
-    Decode runs the scheduler that hands itself to its connector (``SCHEDULER_FLAG``), as
-    README's decode command does: the demo's sliding-window model needs it before 0.30."""
+    Decode gets README's ``SCHEDULER_FLAG`` (the sliding-window demo model needs it)."""
     prefill_cpus, decode_cpus = sv.split_cpus(2)
     prefill = sv.vllm_server("prefill", python, model, prefill_port, workdir / "prefill.log",
                              kv_config("kv_producer", side_channel_port, by_name=by_name),
