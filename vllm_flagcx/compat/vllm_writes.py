@@ -113,7 +113,7 @@ def report_as_sent(output: Any, request_ids: set[str]) -> None:
 
 
 def drop_unusable_params(request: VllmRequest) -> str | None:
-    """Replace ``kv_transfer_params`` that are not an object by None (see the table);
+    """Replace ``kv_transfer_params`` that are not an object by None (module docstring);
     returns why, or None when they are an object (or None) and were left alone."""
     params = request.kv_transfer_params
     if params is None or isinstance(params, Mapping):
