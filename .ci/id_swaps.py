@@ -11,7 +11,7 @@ from mypy import api
 
 SWAPS = '''
 from vllm_flagcx.connector.common.metadata import RequestId, SendTask, TransferId
-from vllm_flagcx.connector.decode.ledger import FailureLedger
+from vllm_flagcx.connector.decode.faults import FailureLedger
 from vllm_flagcx.connector.decode.loads import Loads
 from vllm_flagcx.connector.scheduler import HeldSends
 from vllm_flagcx.connector.prefill.sends import Sends

@@ -88,7 +88,7 @@ def test_the_kept_slot_no_longer_yields():
 def test_the_heartbeat_reads_its_targets_from_the_loads_and_from_no_list_of_its_own():
     """Awaited = MATCHED: a request decode has and will pull, without blocks yet; planned,
     dropped and finished ones leave the heartbeat's round with no call to it."""
-    from vllm_flagcx.wire.heartbeat import HeartbeatSender
+    from vllm_flagcx.wire.client import HeartbeatSender
 
     loads = Loads()
     beats = HeartbeatSender(30.0, loads.awaited)

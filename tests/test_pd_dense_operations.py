@@ -154,7 +154,7 @@ def test_a_pull_after_the_lease_expired_counts_as_nixl_counts_it():
 
 
 def test_decode_heartbeats_keep_the_prefill_lease():
-    from vllm_flagcx.wire.heartbeat import HeartbeatSender
+    from vllm_flagcx.wire.client import HeartbeatSender
     from vllm_flagcx.wire.params import parse_remote_prefill
 
     port = pd.free_port()
@@ -260,7 +260,7 @@ def test_a_decode_leg_that_never_arrives_frees_prefill_after_the_first_lease():
     comes, so prefill frees the blocks at the short first lease, not the full one. A decode
     that has the request says so at once (its first heartbeat: vLLM's ``on_new_request``
     where the build has it, else its first scheduling), which keeps the blocks held."""
-    from vllm_flagcx.wire.heartbeat import HeartbeatSender
+    from vllm_flagcx.wire.client import HeartbeatSender
     from vllm_flagcx.wire.params import parse_remote_prefill
 
     port = pd.free_port()

@@ -12,8 +12,8 @@ import pytest
 from testkit import router_standin as rs
 from testkit.router_standin import BODY, router
 
-from vllm_flagcx.connector.decode.pull_clock import PullClock
 from vllm_flagcx.wire import timeline
+from vllm_flagcx.wire.timeline import PullClock
 
 ROUTER = {"t_in": 10.0, "t_prefill_sent": 10.001, "t_prefill_done": 10.030,
           "t_decode_sent": 10.031, "t_headers": 10.040, "t_first_byte": 10.060}

@@ -165,7 +165,7 @@ def pd_with_fault(d: Deployment, prompt: str | list[int], fault: str, request_id
     """The router's two legs by hand, decode told to apply ``fault`` (``corrupt_block``:
     overwrite the first received block; ``drop_all``: skip the pull) to this request;
     decode's answer."""
-    from vllm_flagcx.connector.decode.fault_knobs import PARAM
+    from vllm_flagcx.connector.decode.faults import PARAM
     from vllm_flagcx.router import legs
 
     body = {"model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}
@@ -180,7 +180,7 @@ def assert_corrupted_kv_changes_the_answer(d: Deployment, prompts: tuple[str, ..
     """The negative control: with each fault (``pd_with_fault``), decode's greedy answer
     must differ from the monolithic one, or the request fail. If it still matched,
     PD == monolithic could not tell right KV from wrong."""
-    from vllm_flagcx.connector.decode.fault_knobs import FAULTS
+    from vllm_flagcx.connector.decode.faults import FAULTS
 
     for fault in FAULTS:
         for i, prompt in enumerate(prompts):

@@ -42,7 +42,7 @@ from vllm_flagcx.connector.common.metadata import (
 from vllm_flagcx.connector.common.settings import DEFAULTS
 from vllm_flagcx.connector.decode.loads import LoadPhase, Loads
 from vllm_flagcx.wire import params as wire_params
-from vllm_flagcx.wire.heartbeat import HeartbeatSender
+from vllm_flagcx.wire.client import HeartbeatSender
 from vllm_flagcx.wire.params import (
     RemotePrefill,
     TransferParamsError,

@@ -1,7 +1,7 @@
 """Worker half of FlagCXConnector: one object per TP rank, composed of the parts that own
 its state: what was registered (``registration.Registration``, frozen), prefill's
 side-channel server (``prefill.server``) over the transfers it holds
-(``sends.Sends``), decode's puller (``puller``), and the failure ledger (``ledger``), with
+(``sends.Sends``), decode's puller (``puller``), and the failure ledger (``faults``), with
 the counters (``counters``) and histogram samples (``observations``) they share.
 
 Protocol (P pushes, D initiates; the cross-engine key is the router-minted transfer id):
@@ -33,8 +33,7 @@ from vllm_flagcx.connector.common.metadata import FlagCXMetadataPayload, Request
 from vllm_flagcx.connector.common.registration import Registration, register
 from vllm_flagcx.connector.common.task_threads import InFlight
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
-from vllm_flagcx.connector.decode.ledger import STAGES, FailureLedger
-from vllm_flagcx.connector.decode.pull_clock import PullClock
+from vllm_flagcx.connector.decode.faults import STAGES, FailureLedger
 from vllm_flagcx.connector.decode.puller import Puller
 from vllm_flagcx.connector.prefill.sends import Sends
 from vllm_flagcx.connector.prefill.server import SideChannelServer
@@ -42,6 +41,7 @@ from vllm_flagcx.layout.regions import Region, kernel_ratios, model_page_bytes
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire.metrics import Stat
+from vllm_flagcx.wire.timeline import PullClock
 
 logger = logging.getLogger("vllm_flagcx")
 __all__ = ["STAGES", "WorkerHalf", "WorkerSettings", "kernel_ratios", "model_page_bytes"]

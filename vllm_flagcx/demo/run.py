@@ -40,7 +40,7 @@ PROMPTS = (
 def kv_config(role: str, side_channel_port: int, test_faults: bool = False,
               by_name: bool = False) -> dict[str, object]:
     """``test_faults``: decode honours ``kv_transfer_params.flagcx_test_fault`` (the e2e
-    tests' negative controls; ``connector.fault_knobs``). ``by_name``: the connector is
+    tests' negative controls; ``connector.decode.faults``). ``by_name``: the connector is
     found by its registered name alone (the ``vllm.general_plugins`` entry point), as a
     user who copies the design note's JSON has it; else by module path (every build)."""
     # the demo logs every load's timeline (wire.timeline): it prints where the time went

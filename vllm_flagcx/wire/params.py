@@ -31,7 +31,7 @@ class RemotePrefill:
     remote_tp_size: int
     remote_engine_id: str
     remote_block_sizes: tuple[int, ...]
-    test_fault: str = ""  # connector.fault_knobs (tests only; checked by the worker)
+    test_fault: str = ""  # connector.decode.faults (tests only; checked by the worker)
     # prompt tokens whose KV (and recurrent state) prefill holds; None from peers and
     # routers that predate it (concurrent mode: not known before prefill ran)
     remote_num_tokens: int | None = None

@@ -24,14 +24,14 @@ from vllm_flagcx.connector.common.metadata import RecvTask, RequestId, TransferI
 from vllm_flagcx.connector.common.registration import Registration
 from vllm_flagcx.connector.common.task_threads import InFlight, TaskThreads
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
-from vllm_flagcx.connector.decode import fault_knobs
-from vllm_flagcx.connector.decode.ledger import FailureLedger
-from vllm_flagcx.connector.decode.pull_clock import PullClock
+from vllm_flagcx.connector.decode import faults
+from vllm_flagcx.connector.decode.faults import FailureLedger
 from vllm_flagcx.wire import client
 from vllm_flagcx.wire import handshake as hs
 from vllm_flagcx.wire import params as wire_params
 from vllm_flagcx.wire.metrics import Stat
 from vllm_flagcx.wire.params import RemotePrefill
+from vllm_flagcx.wire.timeline import PullClock
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -144,8 +144,8 @@ class Puller:
         started = time.monotonic()
         clock = PullClock(remote.transfer_id, task.planned_at or started, started)
         try:
-            fault = fault_knobs.requested_fault(remote.test_fault, self._settings.test_faults)
-        except fault_knobs.FaultKnobError as exc:
+            fault = faults.requested_fault(remote.test_fault, self._settings.test_faults)
+        except faults.FaultKnobError as exc:
             self._fail_after_release(task, flat, str(exc))
             return
         if fault == "drop_all":
@@ -195,9 +195,9 @@ class Puller:
                                      f"ok with 0 bytes for {len(flat)} blocks: nothing loaded")
             return
         if fault == "corrupt_block":
-            fault_knobs.corrupt_first_block(
+            faults.corrupt_first_block(
                 list(reg.regions), task.block_ids,
-                fault_knobs.memory_filler(self._settings.host_memory))
+                faults.memory_filler(self._settings.host_memory))
         clock.verified = time.monotonic()
         self._observations.observe("pull_seconds", clock.verified - started)
         with self._lock:

@@ -46,8 +46,7 @@ from vllm_flagcx.connector.prefill.gate import (
     target_refusal,
 )
 from vllm_flagcx.connector.prefill.pulls import ParkedPull, ParkedPulls, pull_problem
-from vllm_flagcx.connector.prefill.sends import LEASE_EXPIRED, Claim, Send, Sends
-from vllm_flagcx.connector.prefill.writes import SideChannelWrites
+from vllm_flagcx.connector.prefill.sends import LEASE_EXPIRED, Claim, Send, Sends, SideChannelWrites
 from vllm_flagcx.transport.base import Transport
 from vllm_flagcx.wire import auth, curve
 from vllm_flagcx.wire import handshake as hs

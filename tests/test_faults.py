@@ -1,4 +1,4 @@
-"""The negative controls' knob (``connector.fault_knobs``): off unless the decode instance
+"""The negative controls' knob (``connector.decode.faults``): off unless the decode instance
 allows it, named values only, and each fault really changes what decode holds (real vLLM
 Schedulers and the connector's workers, ``pd_harness``)."""
 
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from testkit import pd_harness as pd
 
-from vllm_flagcx.connector.decode import fault_knobs
+from vllm_flagcx.connector.decode import faults
 from vllm_flagcx.layout.regions import Region
 
 
 def test_fault_is_refused_where_faults_are_off_and_must_be_named():
-    assert fault_knobs.requested_fault("", enabled=False) == ""
-    with pytest.raises(fault_knobs.FaultKnobError, match="test_faults=true"):
-        fault_knobs.requested_fault("drop_all", enabled=False)
-    with pytest.raises(fault_knobs.FaultKnobError, match="use one of"):
-        fault_knobs.requested_fault("bogus", enabled=True)
-    assert fault_knobs.requested_fault("corrupt_block", True) == "corrupt_block"
+    assert faults.requested_fault("", enabled=False) == ""
+    with pytest.raises(faults.FaultKnobError, match="test_faults=true"):
+        faults.requested_fault("drop_all", enabled=False)
+    with pytest.raises(faults.FaultKnobError, match="use one of"):
+        faults.requested_fault("bogus", enabled=True)
+    assert faults.requested_fault("corrupt_block", True) == "corrupt_block"
 
 
 def test_corrupt_first_block_touches_only_that_block_of_group_zero():
@@ -28,10 +28,10 @@ def test_corrupt_first_block_touches_only_that_block_of_group_zero():
     base = buf.ctypes.data_as(ctypes.c_void_p).value
     regions = [Region("a", "a", 0, "full_attention", base, 64, 2, 32),
                Region("b", "b", 1, "sliding_window", base + 128, 64, 2, 32)]
-    written = fault_knobs.corrupt_first_block(regions, [[1], [0]],
-                                              fault_knobs.memory_filler(host_memory=True))
+    written = faults.corrupt_first_block(regions, [[1], [0]],
+                                              faults.memory_filler(host_memory=True))
     assert written == 32
-    assert (buf[64:96] == fault_knobs.GARBAGE_BYTE).all()
+    assert (buf[64:96] == faults.GARBAGE_BYTE).all()
     assert not buf[:64].any() and not buf[96:].any()
 
 
@@ -42,12 +42,12 @@ def _pd_with_fault(fault: str, enabled: bool = True):
                           test_faults=enabled)
     records = pd.run_prefill(p, [48])
     for rec in records.values():
-        rec["params"] = {**rec["params"], fault_knobs.PARAM: fault}
+        rec["params"] = {**rec["params"], faults.PARAM: fault}
     pd.run_decode(p, d, records)
     return p, d, records
 
 
-@pytest.mark.parametrize("fault", fault_knobs.FAULTS)
+@pytest.mark.parametrize("fault", faults.FAULTS)
 def test_each_fault_leaves_decode_holding_other_bytes_than_prefill(fault):
     p, d, records = _pd_with_fault(fault)
     try:

@@ -1,8 +1,14 @@
-"""Test-only faults on decode's receive: the negative controls of the PD == monolithic
-checks (a check that cannot fail is a defect).
+"""What goes wrong on decode's receive: the real failures, until vLLM is told, and the
+test-only faults the negative controls inject.
 
-Off unless the decode instance sets ``kv_connector_extra_config.test_faults: true``; a
-request then asks for one with ``kv_transfer_params.flagcx_test_fault``:
+**The failure ledger** (``FailureLedger``): the first failure of a request is the one
+reported, counted per stage, and ``drain`` hands vLLM the failed requests and their
+blocks once.
+
+**Test faults**, the negative controls of the PD == monolithic checks (a check that cannot
+fail is a defect). Off unless the decode instance sets
+``kv_connector_extra_config.test_faults: true``; a request then asks for one with
+``kv_transfer_params.flagcx_test_fault``:
 
 - ``corrupt_block``: after a pull that succeeded (integrity check included), overwrite
   the request's first block in every region of its first KV cache group (host memory, or
@@ -16,8 +22,55 @@ request); the e2e tests assert that, per model.
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
+import time
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from vllm_flagcx.connector.common.counters import delta
+from vllm_flagcx.connector.common.metadata import RequestId
+
+logger = logging.getLogger("vllm_flagcx")
+
+# Where a decode-side receive can fail. (Registration fails at startup, loudly; a failed
+# prefill-side write reaches decode as a failed pull reply; both are counted in stats.)
+STAGES = ("handshake", "recv")
+
+
+class FailureLedger:
+    """Failed requests with their blocks, by stage; drained once per engine step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failed: dict[RequestId, tuple[str, str, list[int]]] = {}
+        self.counts: dict[str, int] = defaultdict(int)
+        self.recent: deque[tuple[float, str, str, str]] = deque(maxlen=256)  # for operators
+        self._last_counts: dict[str, int] = {}
+
+    def record(self, stage: str, request_id: RequestId, block_ids: list[int], error: str) -> None:
+        assert stage in STAGES, stage
+        with self._lock:
+            if request_id in self._failed:
+                return  # the first failure is the one reported
+            self._failed[request_id] = (stage, error, list(block_ids))
+            self.counts[stage] += 1
+            self.recent.append((time.monotonic(), stage, request_id, error))
+        logger.warning("FlagCX %s failure for request %s: %s", stage, request_id, error)
+
+    def take_counts(self) -> dict[str, float]:
+        """Failures by stage since the previous call (for stats)."""
+        with self._lock:
+            changed = delta(self.counts, self._last_counts)
+            self._last_counts = dict(self.counts)
+        return changed
+
+    def drain(self) -> tuple[set[RequestId], set[int]]:
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return set(failed), {b for _, _, ids in failed.values() for b in ids}
+
 
 PARAM = "flagcx_test_fault"
 FAULTS = ("corrupt_block", "drop_all")
