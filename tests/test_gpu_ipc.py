@@ -59,7 +59,7 @@ def decode_gpu_in_pieces():
 
 def _host_checks_forbidden(monkeypatch):
     """The checked kernel's path must not fall back on the host's bounds pass."""
-    from vllm_flagcx.transport.address_ranges import RangeTable
+    from vllm_flagcx.layout.bounds import RangeTable
 
     def forbidden(*_args, **_kwargs):
         raise AssertionError("host bounds check ran on the checked-kernel path")

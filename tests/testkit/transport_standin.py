@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_flagcx.transport.address_ranges import RangeTable
+from vllm_flagcx.layout.bounds import RangeTable
 from vllm_flagcx.transport.base import Transport, TransportError, WriteResult
 
 _ENDPOINTS: dict[bytes, MemmoveTransport] = {}

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from vllm_flagcx.layout.bounds import OUTSIDE, RangeTable
 from vllm_flagcx.transport import cuda_ipc, cuda_kernel
-from vllm_flagcx.transport.address_ranges import OUTSIDE, RangeTable
 from vllm_flagcx.transport.base import Transport, TransportError, WriteResult
 
 IOV_MAX = 1024

@@ -65,7 +65,7 @@ class Receiver:
 
     sheet: hs.FactSheet
     table: plans.PlanTable
-    spans: list[tuple[int, int]]
+    spans: tuple[tuple[int, int], ...]
 
 
 class ReceiverCache:
@@ -91,7 +91,7 @@ class ReceiverCache:
         if known is None:
             pair = plans.RankPair(self._tp_rank, self._tp_size, sheet.tp_rank, sheet.tp_size)
             regions = list(sheet.regions)
-            spans = storage_spans(regions)
+            spans = tuple(storage_spans(regions))
             table = plans.build_table(local_regions, regions, pair,
                                       num_groups=self._num_groups,
                                       sender_spans=storage_spans(local_regions),

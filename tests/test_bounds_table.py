@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_flagcx.transport.address_ranges import COMMON_FIRST_FROM, OUTSIDE, RangeTable
+from vllm_flagcx.layout.bounds import COMMON_FIRST_FROM, OUTSIDE, RangeTable
 
 
 def _u64(values):
@@ -115,7 +115,7 @@ def test_a_right_hint_is_the_answer_and_a_wrong_one_falls_back_to_the_search():
 
 
 def test_a_large_batch_takes_a_right_hint_and_still_refuses_what_is_outside():
-    from vllm_flagcx.transport.address_ranges import HINTS_FROM
+    from vllm_flagcx.layout.bounds import HINTS_FROM
 
     ranges = [(k * 10_000, k * 10_000 + 5_000) for k in range(40)][::-1]  # given reversed
     table = RangeTable(ranges)
