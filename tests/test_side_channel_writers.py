@@ -167,3 +167,35 @@ def test_a_release_prefill_never_confirms_is_a_failed_notification():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_pull_parked_before_the_arm_is_written_at_the_arm_not_the_next_poll(monkeypatch):
+    """The router's concurrent mode: decode asks before prefill finished, so its pull
+    parks. The prefill step that arms the transfer wakes the side channel and the write
+    starts then: with the server's idle poll set to a minute, the answer still comes
+    within seconds (before, a parked pull waited for the next poll, 20 ms by default)."""
+    from vllm_flagcx.connector.prefill import server
+
+    monkeypatch.setattr(server, "POLL_SECONDS", 60.0)
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, seed=1, model="dense")
+    try:
+        tid = next(iter(pd.run_prefill(p, [70])))
+        assert len(p.workers[0].sends) == 0  # finished, not armed yet: the next step arms
+        groups = len(d.workers[0].sheet.layout.block_sizes)
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(reply=_ask(
+            port, hs.PullRequest(tid, d.workers[0].sheet, ((1, 2, 3, 4, 5),) * groups))),
+            daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while not len(p.workers[0].server.parked) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(p.workers[0].server.parked) == 1
+        pd.step_prefill(p, steps=1)
+        thread.join(timeout=10)
+        assert result["reply"].ok, result["reply"]
+    finally:
+        p.shutdown()
+        d.shutdown()

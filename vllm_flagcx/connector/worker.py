@@ -99,6 +99,8 @@ class WorkerHalf:
         self._step_idle = payload.idle
         for send in payload.send.values():
             self.sends.arm(send)  # a duplicate transfer id: done at once (scheduler refuses)
+        if payload.send and self.server is not None:
+            self.server.armed()
         if self.puller is None:  # vLLM registers the KV caches before any step
             for recv in payload.recv.values():
                 self.ledger.record("recv", recv.request_id,

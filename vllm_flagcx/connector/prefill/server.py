@@ -63,6 +63,11 @@ class Pending(enum.Enum):
     WAIT = "wait"
 
 
+# How often the server thread looks at parked pulls when nothing else wakes it (their
+# deadlines); an arm, a new message or a posted answer wakes it at once.
+POLL_SECONDS = 0.02
+
+
 def _superseded(pull: hs.PullRequest | None) -> hs.PullReply:
     return hs.PullReply(pull.transfer_id if pull else TransferId(""), False,
                         "superseded by an identical pull (same transfer, receiver and rank)")
@@ -139,6 +144,7 @@ class SideChannelServer:
                          "closing the port anyway", self._in_flight.running,
                          self._settings.lease_seconds)
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=2)
         if self._writer is not None:
@@ -160,7 +166,7 @@ class SideChannelServer:
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(20))
+                events = dict(poller.poll(int(POLL_SECONDS * 1e3)))
                 if listeners.zap is not None and events.get(listeners.zap.sock):
                     listeners.zap.handle()
                 for tag, sock in listeners.socks.items():
@@ -185,8 +191,18 @@ class SideChannelServer:
     def _post(self, ident: bytes, reply: hs.Message) -> None:
         """Queue an answer for the server thread (the only one that touches the socket)."""
         self._outbox.append((ident, reply))
+        self._wake()
+
+    def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"w")
+
+    def armed(self) -> None:
+        """The worker's step armed transfers: a pull parked for one (decode asked before
+        prefill finished: the router's concurrent mode) is claimed and written now, not
+        at the server thread's next poll (up to ``POLL_SECONDS`` later). Always a byte,
+        even with nothing parked: a pull being parked right now is looked at again."""
+        self._wake()
 
     def _serve_one(self, tag: bytes, sock: Any) -> None:
         """One message from the side channel; nothing a peer sends may end the server
