@@ -5,6 +5,7 @@ caches of ``pd_caches``, wired to a transport (the in-process stand-in by defaul
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,12 @@ class Instance:
     # blocks vLLM (0.34+) told the workers to zero (SchedulerOutput.new_block_ids_to_zero)
     zeroed: set[int] = field(default_factory=set)
 
+    @functools.cached_property
+    def failures_per_request(self) -> bool:
+        """Whether this vLLM reports failed loads per request for these groups (fixed
+        for the instance: computed once, as vLLM's worker does, not per step)."""
+        return reports_failures_per_request(kv_cache.group_facts(self.ranks[0].config))
+
     def step(self) -> None:
         out = self.scheduler.schedule()
         self.zeroed.update(getattr(out, "new_block_ids_to_zero", None) or ())
@@ -123,7 +130,7 @@ class Instance:
             del self.finished[key]
         failed_now = self.failed & done_r
         self.failed -= failed_now
-        per_request = reports_failures_per_request(kv_cache.group_facts(self.ranks[0].config))
+        per_request = self.failures_per_request
         fields = harness.load_failure_fields(failed=failed_now, invalid_blocks=invalid,
                                      per_request=per_request,
                                      worker_meta=FlagCXWorkerMetadata(failed_now))

@@ -8,6 +8,7 @@ Model configs are tiny local ``config.json`` files shipped in tests/models (no h
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from dataclasses import dataclass
@@ -222,15 +223,22 @@ def run_until_done(scheduler: Any, max_steps: int = 64) -> list[Any]:
     raise AssertionError(f"scheduler still has requests after {max_steps} steps")
 
 
-def make_connector_output(**fields: Any) -> Any:
-    """A real ``KVConnectorOutput`` with only the fields this build has (what vLLM's
-    model runner hands the scheduler)."""
+@functools.cache
+def _connector_output_fields() -> tuple[Any, frozenset[str]]:
+    """vLLM's ``KVConnectorOutput`` and its fields, found once (vLLM's model runner
+    imports it; a lookup per step would put compat's probe on every request's path)."""
     import dataclasses
 
     from vllm_flagcx.compat.probe import resolve
 
     cls = resolve("KVConnectorOutput")
-    names = {f.name for f in dataclasses.fields(cls)}
+    return cls, frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def make_connector_output(**fields: Any) -> Any:
+    """A real ``KVConnectorOutput`` with only the fields this build has (what vLLM's
+    model runner hands the scheduler)."""
+    cls, names = _connector_output_fields()
     return cls(**{k: v for k, v in fields.items() if k in names})
 
 

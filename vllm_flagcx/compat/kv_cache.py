@@ -31,6 +31,7 @@ selected by ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` from 0.17. 0.13 has SD only.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,7 +144,9 @@ def has_mamba_groups(kv_cache_config: KVCacheConfigLike) -> bool:
     return any(f.kind is SpecKind.MAMBA for f in group_facts(kv_cache_config))
 
 
+@functools.cache
 def null_block_id() -> int:
+    """vLLM's null block (0 where the build names none); asked per request: cached."""
     value = optional("NULL_BLOCK_ID")
     return 0 if value is None else int(value)
 
