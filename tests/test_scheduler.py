@@ -81,3 +81,33 @@ def test_hybrid_decode_role_refused_where_vllm_cannot_finish_it(matrix_build):
     producer = harness.make_vllm_config(model=harness.HYBRID_MODEL, hma=True,
                                         kv_role="kv_producer")
     harness.make_scheduler(producer, harness.hybrid_kv_cache_config())  # prefill: fine
+
+
+def test_each_request_s_params_are_read_once_and_forgotten_at_its_end(monkeypatch):
+    """One owner per request on the scheduler half (``RequestParams``): decode parses a
+    request's ``kv_transfer_params`` once over all its hooks (matched, allocated,
+    finished), and nothing of it stays after ``request_finished``."""
+    from testkit import pd_harness as pd
+
+    from vllm_flagcx.connector import scheduler as scheduler_half
+
+    parsed: list[str] = []
+    real = scheduler_half.parse_remote_prefill
+
+    def counting(params):
+        parsed.append(str(params["transfer_id"]))
+        return real(params)
+
+    monkeypatch.setattr(scheduler_half, "parse_remote_prefill", counting)
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense", via_entry=True)
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", via_entry=True)
+    try:
+        records = pd.run_pd(p, d, prompts=[40, 70, 33])
+        assert sorted(parsed) == sorted(records)  # one parse per transfer
+        assert all(r["d_req"] in pd.finished_ids(d) for r in records.values())
+        for inst in (p, d):
+            assert inst.scheduler.connector.scheduler._requests == {}
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -64,6 +64,20 @@ class SchedulerSettings:
     key: bytes | None = field(default=None, repr=False)  # side-channel MAC key (auth)
 
 
+@dataclass
+class RequestParams:
+    """What this half read from one request's ``kv_transfer_params``, once, from its first
+    hook to ``request_finished``: the params themselves (only read; ``{}`` when absent or
+    not an object), decode's prefill to load from (None: none, refused, or the load was
+    planned: never twice), why the params were refused (told in the response), and
+    whether prefill cut the prompt to N-1 (Mamba, once: preemption comes back)."""
+
+    params: Mapping[str, Any]
+    remote: RemotePrefill | None = None
+    refused: str | None = None
+    truncated: bool = False
+
+
 class HeldSends:
     """Prefill's held transfers: the requests whose KV it holds for a decode, one request
     per transfer id (a second request under a held id would let decode pull the first
@@ -134,13 +148,9 @@ class SchedulerHalf:
         self._pending = FlagCXMetadataPayload()
         self.held = HeldSends()  # prefill: the requests whose KV it holds for a decode
         self.loads = Loads()  # decode: one slot per request that loads (connector.loads)
-        self._truncated: set[RequestId] = set()  # prefill: cut to N-1 (Mamba), until done
+        self._requests: dict[RequestId, RequestParams] = {}  # until request_finished
         self.recomputed_after_failure = 0
         self.rejected_params = 0
-        # decode: request_id -> why its params were refused, told in its response
-        self._refused: dict[str, str] = {}
-        # request_id -> its remote prefill, parsed once (None: none, refused, or planned)
-        self._remotes: dict[str, RemotePrefill | None] = {}
         self.heartbeats = HeartbeatSender(settings.lease_seconds / 3, self.loads.awaited,
                                           key=settings.key)
 
@@ -149,53 +159,45 @@ class SchedulerHalf:
         """A request entered the engine (vLLM 0.22+). Decode: its prefill hears at once that
         decode has it (a heartbeat), which turns prefill's short first lease into the full
         one; builds without this hook send it when vLLM first schedules the request."""
-        remote = self._remote(request)
+        remote = self._read(request).remote
         if remote is not None:
             self.loads.match(RequestId(request.request_id), request, remote, 0)
             self.heartbeats.wake()
 
-    def _params(self, request: VllmRequest) -> Mapping[str, Any]:
-        """The request's ``kv_transfer_params`` when they are an object, only read;
-        anything else is refused with a warning (``vllm_writes.drop_unusable_params``)."""
+    def _read(self, request: VllmRequest) -> RequestParams:
+        """The request's ``RequestParams``, read at its first hook. Params that are not an
+        object (``vllm_writes.drop_unusable_params``) or that name a prefill badly are
+        refused with a warning: bad input never strands a request, it is computed
+        locally."""
+        request_id = RequestId(request.request_id)
+        seen = self._requests.get(request_id)
+        if seen is not None:
+            return seen
         why = vllm_writes.drop_unusable_params(request)
-        if why is not None:
-            self._refuse(request.request_id, why)
         params = request.kv_transfer_params
-        return params if isinstance(params, Mapping) else {}
-
-    def _refuse(self, request_id: str, why: str) -> None:
-        self.rejected_params += 1
-        logger.warning("request %s: %s; computing it locally", request_id, why)
-        self._refused[request_id] = why
-
-    def _remote(self, request: VllmRequest) -> RemotePrefill | None:
-        """What decode loads this request's KV from, parsed once per request; None for
-        none, refused params, or once the load was planned (never load twice)."""
-        request_id = request.request_id
-        if request_id in self._remotes:
-            return self._remotes[request_id]
-        params = self._params(request)
-        remote = None
-        if params and wire_params.wants_remote_prefill(params):
+        seen = RequestParams(params if isinstance(params, Mapping) else {}, refused=why)
+        if seen.params and wire_params.wants_remote_prefill(seen.params):
             try:
-                remote = parse_remote_prefill(params)
+                seen.remote = parse_remote_prefill(seen.params)
             except TransferParamsError as exc:
-                # Bad input never strands a request: it is computed locally instead.
-                self._refuse(request_id, str(exc))
-        self._remotes[request_id] = remote
-        return remote
+                seen.refused = str(exc)
+        if seen.refused is not None:
+            self.rejected_params += 1
+            logger.warning("request %s: %s; computing it locally", request_id, seen.refused)
+        self._requests[request_id] = seen
+        return seen
 
     def get_num_new_matched_tokens(self, request: VllmRequest, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         request_id = RequestId(request.request_id)
         if self._yields(request_id):
             return None, False  # "not yet": vLLM skips it this step (every build >= 0.13)
-        params = self._params(request)
-        if (wire_params.wants_remote_decode(params) and self.has_mamba
-                and request_id not in self._truncated
+        seen = self._read(request)
+        if (wire_params.wants_remote_decode(seen.params) and self.has_mamba
+                and not seen.truncated
                 and vllm_writes.truncate_for_prefill(request, self.hash_block_size)):
-            self._truncated.add(request_id)  # once: preemption brings it back here
-        remote = self._remote(request)
+            seen.truncated = True  # once: preemption brings it back here
+        remote = seen.remote
         if remote is None:
             return 0, False
         wanted = compat_kv.remote_prefill_token_count(
@@ -215,10 +217,10 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: VllmRequest, blocks: Any,
                                  num_external_tokens: int) -> None:
-        remote = self._remote(request)
+        seen = self._read(request)
+        remote, seen.remote = seen.remote, None  # planned (or a local hit): never twice
         if remote is None:
             return
-        self._remotes[request.request_id] = None  # planned (or a local hit): never twice
         if num_external_tokens <= 0:
             # Everything was a local hit: prefill still holds blocks; free them there.
             self.loads.drop(RequestId(request.request_id))
@@ -252,11 +254,9 @@ class SchedulerHalf:
 
     def request_finished(self, request: VllmRequest, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, object] | None]:
-        params = self._params(request)
-        self._truncated.discard(RequestId(request.request_id))
-        unplanned = self._remote(request)  # still to load (parsed here if never before)
-        self._remotes.pop(request.request_id, None)
-        refused = self._refused.pop(request.request_id, None)
+        seen = self._read(request)  # read here if no hook did before
+        del self._requests[RequestId(request.request_id)]
+        params, unplanned, refused = seen.params, seen.remote, seen.refused  # unplanned: to load
         ended = self.loads.end_request(RequestId(request.request_id))
         phase, awaited = ended if ended is not None else (None, None)
         loading = phase in (LoadPhase.PLANNED, LoadPhase.PULLING)
