@@ -414,7 +414,7 @@ def test_pd_and_monolithic_first_and_second_token_on_cpu_engines(pd, capsys):
               f"{spread('pd_concurrent', 0)} ({gap('pd_concurrent', 0):+.1f}), 2nd token "
               f"{spread('pd_concurrent', 1)} ({gap('pd_concurrent', 1):+.1f})")
     # prefill's token comes first; equal stamps are one merged event (a t1 that took the
-    # plain path, decode's output collector behind: seen once in 8 runs on this 2-core box)
+    # plain path, decode's output collector behind: once in 10 runs on a 2-core box)
     assert all(first <= second for first, second in rows["pd"])
     assert sum(first < second for first, second in rows["pd"]) > len(rows["pd"]) // 2
     assert len(rows["pd_concurrent"]) == len(rows["mono"])
