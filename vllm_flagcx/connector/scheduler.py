@@ -256,13 +256,12 @@ class SchedulerHalf:
                          ) -> tuple[bool, dict[str, object] | None]:
         seen = self._read(request)  # read here if no hook did before
         del self._requests[RequestId(request.request_id)]
-        params, unplanned, refused = seen.params, seen.remote, seen.refused  # unplanned: to load
         ended = self.loads.end_request(RequestId(request.request_id))
         phase, awaited = ended if ended is not None else (None, None)
         loading = phase in (LoadPhase.PLANNED, LoadPhase.PULLING)
-        if unplanned is not None or loading:
+        if seen.remote is not None or loading:  # still to load, or loading
             # Decode request ended before (or while) its KV arrived: tell prefill.
-            remote = awaited if loading else unplanned
+            remote = awaited if loading else seen.remote
             if remote is not None:
                 self._pending.release[remote.transfer_id] = remote
             if phase is not LoadPhase.PULLING:
@@ -273,18 +272,19 @@ class SchedulerHalf:
             # is where vLLM frees the blocks of a request that already finished (0.13: we
             # do, compat.vllm_writes.report_as_sent).
             return True, None
-        if refused is not None:  # the client learns its KV was computed here, and why
-            return False, wire_params.not_loaded_params(refused)
-        if not wire_params.wants_remote_decode(params) or not self._finished_by_length(request):
+        if seen.refused is not None:  # the client learns its KV was computed here, and why
+            return False, wire_params.not_loaded_params(seen.refused)
+        if (not wire_params.wants_remote_decode(seen.params)
+                or not self._finished_by_length(request)):
             return False, None
-        if wire_params.is_bootstrap_leg(params):
+        if wire_params.is_bootstrap_leg(seen.params):
             self.rejected_params += 1
             logger.warning("FlagCX: request %s: %s", request.request_id,
                            wire_params.BOOTSTRAP_LEG_REFUSAL)
-            return False, {"transfer_id": params["transfer_id"],
+            return False, {"transfer_id": seen.params["transfer_id"],
                            wire_params.NOT_HELD: wire_params.BOOTSTRAP_LEG_REFUSAL}
         ids = [compat_kv.strip_null_blocks(list(g)) for g in block_ids]
-        transfer_id = TransferId(str(params.get("transfer_id") or request.request_id))
+        transfer_id = TransferId(str(seen.params.get("transfer_id") or request.request_id))
         if self.held.holds(transfer_id):
             # A second request under a held id: decode would pull the first one's KV.
             logger.warning("FlagCX: transfer_id %r of request %s is already held for "

@@ -274,8 +274,9 @@ def release_transfer(host: str, port: int, tp_size: int, transfer_id: str,
     return errors
 
 
-
 class HeartbeatSender:
+    """Decode's lease renewals (the module docstring)."""
+
     def __init__(self, interval: float, targets: Callable[[], Iterable[RemotePrefill]],
                  timeout: float = 1.0, key: bytes | None = None) -> None:
         self.interval = interval
@@ -327,7 +328,7 @@ class HeartbeatSender:
             for rank in range(tp):
                 try:
                     channels.ask(host, port + rank, hs.Heartbeat(tuple(tids)),
-                                       self.timeout, key=self.key)
+                                 self.timeout, key=self.key)
                     self.sent += 1
                 except (TimeoutError, OSError, zmq.ZMQError, hs.HandshakeError) as exc:
                     logger.debug("heartbeat to %s:%d failed: %s", host, port + rank, exc)
