@@ -86,28 +86,31 @@ def _stream_times(client: Any, url: str, prompt: list[int], max_tokens: int,
     return stamps[0], stamps[1], tpot
 
 
-def _unloaded(d: Any, sizes: tuple[int, ...], repeats: int, extra: dict[str, Any]
-              ) -> list[dict[str, Any]]:
-    """Per prompt size, PD's and monolithic's time to the first and the second token
-    (median ms over ``repeats`` fresh random prompts, one request at a time)."""
+def _unloaded(d: Any, sizes: tuple[int, ...], repeats: int, extra: dict[str, Any],
+              concurrent_url: str) -> list[dict[str, Any]]:
+    """Per prompt size, the time to the first and the second token (median ms over
+    ``repeats`` fresh random prompts, one request at a time) of PD (sequential router,
+    t1 from prefill), PD in the router's concurrent mode (``conc``: decode's leg starts
+    with prefill's and decode computes t1) and the monolithic engine."""
     import httpx
 
     client = httpx.Client()
-    for url in (d.router.url, d.prefill.url):  # warm both paths and the connections
+    paths = {"pd": d.router.url, "conc": concurrent_url, "mono": d.prefill.url}
+    for url in paths.values():  # warm every path and its connections
         _stream_times(client, url, list(range(2, 66)), 4, extra)
     rng = random.Random(1)
     rows = []
     for size in sizes:
-        got: dict[str, list[tuple[float, float, float]]] = {"pd": [], "mono": []}
+        got: dict[str, list[tuple[float, float, float]]] = {side: [] for side in paths}
         # one untimed prompt of this size per path first: Triton autotunes the GDN
         # kernels per new shape (1.8-2.9 s once), on whichever engine meets it first
         warm = [rng.randrange(2, 500) for _ in range(size)]
-        for url in (d.router.url, d.prefill.url):
+        for url in paths.values():
             _stream_times(client, url, warm, 2, extra)
         for _ in range(repeats):
             prompt = [rng.randrange(2, 500) for _ in range(size)]
-            got["pd"].append(_stream_times(client, d.router.url, prompt, 16, extra))
-            got["mono"].append(_stream_times(client, d.prefill.url, prompt, 16, extra))
+            for side, url in paths.items():
+                got[side].append(_stream_times(client, url, prompt, 16, extra))
         row: dict[str, Any] = {"prompt_tokens": size}
         for side, samples in got.items():
             for i, name in enumerate(("ttft_ms", "second_token_ms", "tpot_ms")):
@@ -115,6 +118,9 @@ def _unloaded(d: Any, sizes: tuple[int, ...], repeats: int, extra: dict[str, Any
                 row[f"{side}_{name}_all"] = [round(s[i] * 1e3, 2) for s in samples]
         row["ttft_ratio"] = row["pd_ttft_ms"] / row["mono_ttft_ms"]
         row["second_token_gap_ms"] = row["pd_second_token_ms"] - row["mono_second_token_ms"]
+        row["conc_ttft_ratio"] = row["conc_ttft_ms"] / row["mono_ttft_ms"]
+        row["conc_second_token_gap_ms"] = (row["conc_second_token_ms"]
+                                           - row["mono_second_token_ms"])
         rows.append(row)
     return rows
 
@@ -257,7 +263,7 @@ def run(quick: bool) -> dict[str, Any]:
         with sv.running([d.router, concurrent]):
             sv.wait_healthy([d.router, concurrent], 60)
             bias = {"logit_bias": one_token_bias(d.model)}
-            unloaded = _unloaded(d, sizes, 3 if quick else 5, bias)
+            unloaded = _unloaded(d, sizes, 3 if quick else 5, bias, concurrent.url)
             rows = _transfers(d, 2 if quick else 5, sizes, bias)
             base = next(r for r in unloaded if r["prompt_tokens"] == 1024) \
                 if any(r["prompt_tokens"] == 1024 for r in unloaded) else unloaded[0]
@@ -268,13 +274,16 @@ def run(quick: bool) -> dict[str, Any]:
             router_counters = json.loads(sv.get_text(d.router.url + "/stats"))["counters"]
     text = report.table(
         f"B5 {kind}, {'eager (--enforce-eager)' if eager else 'CUDA graphs'}: PD (router, "
-        "first token from prefill) vs the monolithic engine, unloaded, streamed, median ms",
+        "first token from prefill; conc: the router's concurrent mode, decode computes it) "
+        "vs the monolithic engine, unloaded, streamed, median ms",
         ("prompt tokens", "PD TTFT", "mono TTFT", "ratio", "PD 2nd tok", "mono 2nd tok",
-         "2nd gap", "PD TPOT", "mono TPOT"),
+         "2nd gap", "PD TPOT", "mono TPOT", "conc TTFT", "conc ratio", "conc 2nd gap"),
         [(u["prompt_tokens"], f"{u['pd_ttft_ms']:.1f}", f"{u['mono_ttft_ms']:.1f}",
           f"{u['ttft_ratio']:.3f}", f"{u['pd_second_token_ms']:.1f}",
           f"{u['mono_second_token_ms']:.1f}", f"{u['second_token_gap_ms']:+.1f}",
-          f"{u['pd_tpot_ms']:.2f}", f"{u['mono_tpot_ms']:.2f}") for u in unloaded])
+          f"{u['pd_tpot_ms']:.2f}", f"{u['mono_tpot_ms']:.2f}", f"{u['conc_ttft_ms']:.1f}",
+          f"{u['conc_ttft_ratio']:.3f}", f"{u['conc_second_token_gap_ms']:+.1f}")
+         for u in unloaded])
     text += "\n\n" + report.table(
         "KV transfer inside the engines (decode's connector counters) vs a device copy of "
         "the same bytes",
