@@ -97,10 +97,9 @@ class WorkerHalf:
     # ---------------------------------------------------------------- per step
     def start_step(self, payload: FlagCXMetadataPayload) -> None:
         self._step_idle = payload.idle
-        for send in payload.send.values():
-            self.sends.arm(send)  # a duplicate transfer id: done at once (scheduler refuses)
-        if payload.send and self.server is not None:
-            self.server.armed()
+        armed = [self.sends.arm(task) for task in payload.send.values()]
+        if payload.send and self.server is not None:  # None: a duplicate transfer id, done
+            self.server.armed([send for send in armed if send is not None])
         if self.puller is None:  # vLLM registers the KV caches before any step
             for recv in payload.recv.values():
                 self.ledger.record("recv", recv.request_id,

@@ -143,15 +143,21 @@ def layer_digests(views: Mapping[str, Any], block_ids: Sequence[Sequence[int]],
     return got
 
 
-def sender_digests(views: Mapping[str, Any], sender_ids: list[list[int]],
-                   receiver_ids: list[list[int]], offsets: list[int | None],
+def paired_sender_ids(sender_ids: list[list[int]], receiver_ids: list[list[int]],
+                      offsets: list[int | None]) -> tuple[tuple[int, ...], ...]:
+    """Per KV cache group, the sender's blocks a pull pairs with its receiver's, in the
+    transfer's pair order (what the sender's digest covers)."""
+    return tuple(tuple(int(b) for b in plans.align_block_ids(
+        s, r, offsets[g] if offsets else None)[0])
+        for g, (s, r) in enumerate(zip(sender_ids, receiver_ids, strict=True)))
+
+
+def sender_digests(views: Mapping[str, Any], paired: Sequence[Sequence[int]],
                    me: tuple[int, int], peer: tuple[int, int]) -> tuple[tuple[str, int], ...]:
     """Prefill: per layer, the digest of everything this rank (``me``: rank, TP) writes
-    into ``peer`` for this pull, over its own blocks in the transfer's pair order."""
+    into ``peer`` for this pull, over its ``paired`` blocks (``paired_sender_ids``)."""
     if not views:
         return ()
-    paired = [list(plans.align_block_ids(s, r, offsets[g] if offsets else None)[0])
-              for g, (s, r) in enumerate(zip(sender_ids, receiver_ids, strict=True))]
     return tuple(layer_digests(views, paired, me, peer, sending=True).items())
 
 

@@ -149,6 +149,7 @@ class SideChannelServer:
             self._thread.join(timeout=2)
         if self._writer is not None:
             self._writer.shutdown(wait=True, cancel_futures=True)
+        self._writes.ahead.shutdown()
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -197,11 +198,15 @@ class SideChannelServer:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"w")
 
-    def armed(self) -> None:
-        """The worker's step armed transfers: a pull parked for one (decode asked before
+    def armed(self, sends: list[Send]) -> None:
+        """The worker's step armed ``sends``: a pull parked for one (decode asked before
         prefill finished: the router's concurrent mode) is claimed and written now, not
         at the server thread's next poll (up to ``POLL_SECONDS`` later). Always a byte,
-        even with nothing parked: a pull being parked right now is looked at again."""
+        even with nothing parked: a pull being parked right now is looked at again. Their
+        digests start first (``DigestsAhead``): a parked pull's write then overlaps its
+        digest."""
+        for send in sends:
+            self._writes.ahead.start(send)
         self._wake()
 
     def _serve_one(self, tag: bytes, sock: Any) -> None:
