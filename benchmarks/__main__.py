@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks import report
 
 ALL = ("b1_plan", "b2a_host", "b2b_gpu", "b2c_write_checks", "b2d_integrity", "b3_step",
-       "b4_handshake", "b5_engines", "b6_preauth_flood")
+       "b4_handshake", "b5_engines", "b6_preauth_flood", "b7_router_json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ def test_bad_body_is_a_400():
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
     (b"\xff\xfe", "not UTF-8|must be JSON"),
     (b"[1, 2]", "JSON object"),
+    (b'{"prompt": "x", "temperature": 1e400}', "out of a double's range"),
 ])
 def test_bodies_the_router_cannot_forward_are_a_400_naming_why(raw, match):
     with rs.upstream("prefill") as p, rs.upstream("decode") as d, \
@@ -40,6 +41,28 @@ def test_bodies_the_router_cannot_forward_are_a_400_naming_why(raw, match):
     assert re.search(match, r.json()["error"]["message"]), r.text
     assert not p.seen and not d.seen
     assert proxy.counters["bad_requests"] == 1 and not proxy.counters["client_disconnects"]
+
+
+@pytest.mark.parametrize("raw", [
+    r'{"prompt": "caf\u00e9 \ud83d\ude00 \u2028", "max_tokens": 16, "stream": true}',
+    '{"prompt": [1, 2, 151645], "temperature": 0.7, "top_p": 1e-3, "seed": 18446744073709551617}',
+    r'{"messages": [{"role": "user", "content": "a\nb \"q\""}], "logit_bias": {"5": -1.5}}',
+    '{"a": {"b": [null, true, false, [[], {}]]}, "a": 2, "n": -0.0}',
+    '{"prompt": [' + ", ".join(str(i * 7919 % 151000) for i in range(32768)) + ']}',
+])
+def test_the_fast_json_path_reads_and_writes_what_the_stdlib_does(raw):
+    """The router parses bodies and answers with msgspec and writes each leg with it
+    (``app.parse_body``, ``legs.encode``, ``legs.json_object``): for every JSON the stdlib
+    reads, the same object, and bytes the stdlib reads back to it."""
+    import json
+
+    from vllm_flagcx.router import app, legs
+
+    body = app.parse_body(raw.encode())
+    assert body == json.loads(raw)
+    assert json.loads(legs.encode(body)) == body
+    answer = httpx.Response(200, content=raw.encode())
+    assert legs.json_object(answer, "prefill", "http://127.0.0.1:1") == body
 
 
 def test_router_takes_the_side_channel_secret_and_refuses_a_short_one(tmp_path,

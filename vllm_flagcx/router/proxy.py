@@ -30,6 +30,7 @@ import httpx
 from vllm_flagcx.router import first_token
 from vllm_flagcx.router.flow import Flow
 from vllm_flagcx.router.legs import (
+    JSON_HEADERS,
     Instance,
     LegError,
     Pool,
@@ -37,6 +38,7 @@ from vllm_flagcx.router.legs import (
     RouterSettings,
     check_advertised,
     decode_body,
+    encode,
     json_object,
     prefill_body,
     prompt_ids_apply,
@@ -78,7 +80,8 @@ class Proxy:
         if marks is not None:
             marks["t_prefill_sent"] = started
         try:
-            response = await self.client.post(instance.url + path, json=leg,
+            response = await self.client.post(instance.url + path, content=encode(leg),
+                                              headers=JSON_HEADERS,
                                               timeout=self.settings.prefill_timeout)
         except httpx.TimeoutException as exc:
             instance.failed += 1
@@ -164,8 +167,9 @@ class Proxy:
         instance.in_flight += 1
         handed_over = False  # the caller owns the in-flight count once it has the response
         try:
-            request = self.client.build_request("POST", instance.url + path,
-                                                json=decode_body(body, params, prompt_ids))
+            request = self.client.build_request(
+                "POST", instance.url + path, headers=JSON_HEADERS,
+                content=encode(decode_body(body, params, prompt_ids)))
             try:
                 response = await self.client.send(request, stream=True)
             except httpx.TimeoutException as exc:
