@@ -9,10 +9,14 @@ carries); a pairing that was not foreseen digests its own.
 from __future__ import annotations
 
 import threading
+from concurrent import futures
+from concurrent.futures import Future
 
 import pytest
 from test_full_digest import _pair, _run, hybrid_decode
 
+from vllm_flagcx.connector.common.metadata import SendTask
+from vllm_flagcx.connector.prefill import sends
 from vllm_flagcx.connector.prefill.sends import MAX_PAIRINGS, DigestsAhead, Pairing
 
 AHEAD_THREAD = "flagcx-digest-ahead"
@@ -45,9 +49,27 @@ def test_the_pairings_of_tp_1_to_8_are_all_kept_and_a_ninth_evicts_the_oldest():
     assert len(ahead.pairings) == MAX_PAIRINGS and peers[1] not in ahead.pairings
 
 
+def test_a_pull_takes_a_running_digest_and_leaves_a_queued_one():
+    """A burst of arms queues digests on the one thread: a pull whose digest has not
+    started digests its own (faster than queueing) and the queued one is dropped."""
+    send = sends.Send(SendTask("r", "t", [[1]], 10.0))
+    key = ((0, 1), ((1,),))
+    queued: Future = Future()
+    send.digests_ahead[key] = queued
+    assert DigestsAhead.take(send, key) is None and queued.cancelled()
+    running: Future = Future()
+    running.set_running_or_notify_cancel()
+    running.set_result((("0-3", 7),))
+    send.digests_ahead[key] = running
+    assert DigestsAhead.take(send, key) == (("0-3", 7),)
+    assert DigestsAhead.take(send, key) is None  # taken once
+
+
 def _threads_that_digest(monkeypatch, corrupt_ahead: bool = False) -> list[str]:
+    """The thread of every digest taken, in order. Each transfer's early digests are
+    finished before decode pulls (as when decode's pull comes 5-10 ms after the arm)."""
     names: list[str] = []
-    original = DigestsAhead.digest
+    original, original_start = DigestsAhead.digest, DigestsAhead.start
 
     def recorded(self, paired, peer):
         name = threading.current_thread().name
@@ -58,7 +80,12 @@ def _threads_that_digest(monkeypatch, corrupt_ahead: bool = False) -> list[str]:
             got = ((layers, value ^ 1), *rest)
         return got
 
+    def start_and_finish(self, send):
+        original_start(self, send)
+        futures.wait(list(send.digests_ahead.values()), timeout=30)
+
     monkeypatch.setattr(DigestsAhead, "digest", recorded)
+    monkeypatch.setattr(DigestsAhead, "start", start_and_finish)
     return names
 
 

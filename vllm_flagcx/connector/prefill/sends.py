@@ -325,10 +325,11 @@ class DigestsAhead:
 
     @staticmethod
     def take(send: Send, key: DigestKey) -> Digests | None:
-        """The digest started at arm for this pull, waited for if still running; None when
-        none was started for it (or it failed: the pull digests its own)."""
+        """The digest started at arm for this pull, waited for if it is running; None when
+        none was started for it, it still waits in the queue (a burst of arms: the pull is
+        faster digesting its own than queueing behind the others) or it failed."""
         future = send.digests_ahead.pop(key, None)
-        if future is None or future.cancelled():
+        if future is None or future.cancel() or future.cancelled():
             return None
         try:
             return future.result()
