@@ -1,4 +1,4 @@
-"""Prefill's digests started at arm (``prefill.sends.DigestsAhead``), before decode's
+"""Prefill's digests started at arm (``connector.common.integrity.DigestsAhead``), before decode's
 pull asks: the rule that carries one pull's pairing to the next transfer (pure), then real
 vLLM Schedulers with the connector's workers: after a first pull taught the pairing, the
 next transfer's digest is taken on the background thread and decode's check passes; a
@@ -15,9 +15,7 @@ from concurrent.futures import Future
 import pytest
 from test_full_digest import _pair, _run, hybrid_decode
 
-from vllm_flagcx.connector.common.metadata import SendTask
-from vllm_flagcx.connector.prefill import sends
-from vllm_flagcx.connector.prefill.sends import MAX_PAIRINGS, DigestsAhead, Pairing
+from vllm_flagcx.connector.common.integrity import MAX_PAIRINGS, DigestsAhead, Pairing
 
 AHEAD_THREAD = "flagcx-digest-ahead"
 
@@ -52,17 +50,17 @@ def test_the_pairings_of_tp_1_to_8_are_all_kept_and_a_ninth_evicts_the_oldest():
 def test_a_pull_takes_a_running_digest_and_leaves_a_queued_one():
     """A burst of arms queues digests on the one thread: a pull whose digest has not
     started digests its own (faster than queueing) and the queued one is dropped."""
-    send = sends.Send(SendTask("r", "t", [[1]], 10.0))
+    early: dict = {}
     key = ((0, 1), ((1,),))
     queued: Future = Future()
-    send.digests_ahead[key] = queued
-    assert DigestsAhead.take(send, key) is None and queued.cancelled()
+    early[key] = queued
+    assert DigestsAhead.take(early, key) is None and queued.cancelled()
     running: Future = Future()
     running.set_running_or_notify_cancel()
     running.set_result((("0-3", 7),))
-    send.digests_ahead[key] = running
-    assert DigestsAhead.take(send, key) == (("0-3", 7),)
-    assert DigestsAhead.take(send, key) is None  # taken once
+    early[key] = running
+    assert DigestsAhead.take(early, key) == (("0-3", 7),)
+    assert DigestsAhead.take(early, key) is None  # taken once
 
 
 def _threads_that_digest(monkeypatch, corrupt_ahead: bool = False) -> list[str]:
@@ -80,9 +78,9 @@ def _threads_that_digest(monkeypatch, corrupt_ahead: bool = False) -> list[str]:
             got = ((layers, value ^ 1), *rest)
         return got
 
-    def start_and_finish(self, send):
-        original_start(self, send)
-        futures.wait(list(send.digests_ahead.values()), timeout=30)
+    def start_and_finish(self, block_ids, into):
+        original_start(self, block_ids, into)
+        futures.wait(list(into.values()), timeout=30)
 
     monkeypatch.setattr(DigestsAhead, "digest", recorded)
     monkeypatch.setattr(DigestsAhead, "start", start_and_finish)

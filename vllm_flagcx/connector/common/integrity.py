@@ -25,13 +25,22 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm_flagcx.connector.common.host_cpus import unpin_this_thread
 from vllm_flagcx.layout import bounds, digest, plans
+
+if TYPE_CHECKING:
+    from vllm_flagcx.connector.common.registration import Registration
+    from vllm_flagcx.connector.common.worker_settings import WorkerSettings
 
 logger = logging.getLogger("vllm_flagcx")
 
@@ -176,3 +185,121 @@ def receiver_mismatch(views: Mapping[str, Any], digests: Sequence[tuple[str, int
     expected = layer_digests(views, block_ids, me, peer, sending=False)
     groups = {name: int(v.group) for name, v in views.items()}
     return digest.mismatch(digests, expected, groups)
+
+
+Digests = tuple[tuple[str, int], ...]  # (layer range, digest) as a reply carries them
+DigestKey = tuple[tuple[int, int], tuple[tuple[int, ...], ...]]  # (peer rank, TP), paired
+EarlyDigests = dict[DigestKey, "Future[Digests]"]  # one transfer's digests started at arm
+MAX_PAIRINGS = 8  # pairings remembered: TP 1 -> 8 gives each prefill rank 8 receivers
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """How one receiver rank's pull paired this rank's blocks, per KV cache group, as a
+    rule for the next transfer: every block (``ALL``), the last ``n`` (a window or a
+    state: ``("last", n, 0)``), or all but ``head`` leading and ``tail`` trailing ones (a
+    prefix decode held: ``("cut", head, tail)``)."""
+
+    peer: tuple[int, int]  # the receiver's (rank, TP)
+    rules: tuple[tuple[str, int, int], ...]
+
+    ALL = ("all", 0, 0)
+
+    @classmethod
+    def of(cls, peer: tuple[int, int], sender_ids: list[list[int]],
+           receiver_ids: list[list[int]], offsets: list[int | None]) -> Pairing:
+        rules = []
+        for g, (ids, got) in enumerate(zip(sender_ids, receiver_ids, strict=True)):
+            offset = offsets[g] if offsets else None
+            if len(got) == len(ids) and not offset:
+                rules.append(cls.ALL)
+            elif offset is None:
+                rules.append(("last", len(got), 0))
+            else:
+                rules.append(("cut", offset, len(ids) - offset - len(got)))
+        return cls(peer, tuple(rules))
+
+    def paired(self, sender_ids: list[list[int]]) -> tuple[tuple[int, ...], ...] | None:
+        """The rule applied to another transfer's blocks (None: too few of them)."""
+        if len(sender_ids) != len(self.rules):
+            return None
+        out = []
+        for ids, (kind, a, b) in zip(sender_ids, self.rules, strict=True):
+            head, tail = {"all": (0, 0), "last": (len(ids) - a, 0)}.get(kind, (a, b))
+            if head < 0 or tail < 0 or head + tail > len(ids):
+                return None
+            out.append(tuple(ids[head:len(ids) - tail]))
+        return tuple(out)
+
+
+class DigestsAhead:
+    """Prefill's digests started when a transfer is armed, not when decode's pull asks.
+
+    Why: in the router's sequential mode decode pulls 5-10 ms after prefill finished (the
+    router, decode's API, its scheduler), and the digest of what a pull writes (0.5-2.6 ms
+    on an H100 from 1k to 32k tokens, ~1.2 ms on 2 CPU cores) sat on the pull's path, after
+    the write. The digest depends on the receiver (its rank and TP pick the slices) and on
+    the pairing (a prefix decode already holds is not sent), known only from a pull: each
+    new transfer is digested, on one background thread, for the pairings the latest pulls
+    had (``MAX_PAIRINGS``). A pull whose pairing was not foreseen digests its own, as before;
+    one whose digest is still running waits for it (no slower than computing it). The
+    blocks stay held while armed and no step writes a finished request's blocks, so an
+    early digest equals a late one (decode's check compares them with its own)."""
+
+    def __init__(self, settings: WorkerSettings, registration: Registration) -> None:
+        self._settings = settings
+        self._registration = registration
+        self._pairings: OrderedDict[Pairing, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def learn(self, pairing: Pairing) -> None:
+        """Remember a pull's pairing for the transfers armed after it."""
+        with self._lock:
+            self._pairings[pairing] = None
+            self._pairings.move_to_end(pairing)
+            while len(self._pairings) > MAX_PAIRINGS:
+                self._pairings.popitem(last=False)
+
+    @property
+    def pairings(self) -> list[Pairing]:
+        with self._lock:
+            return list(self._pairings)
+
+    def start(self, block_ids: Sequence[Sequence[int]], into: EarlyDigests) -> None:
+        """At arm: a transfer's digest (``block_ids``: its blocks) for every pairing seen
+        lately, in the background, kept in ``into`` (the transfer's own)."""
+        if not self._settings.verify_integrity or not self._registration.views:
+            return
+        sender_ids = [list(g) for g in block_ids]
+        for pairing in self.pairings:
+            paired = pairing.paired(sender_ids)
+            if paired is None or (pairing.peer, paired) in into:
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, initializer=unpin_this_thread,
+                                                thread_name_prefix="flagcx-digest-ahead")
+            into[(pairing.peer, paired)] = self._pool.submit(
+                self.digest, paired, pairing.peer)
+
+    def digest(self, paired: tuple[tuple[int, ...], ...], peer: tuple[int, int]) -> Digests:
+        s = self._settings
+        return sender_digests(self._registration.views, paired, (s.tp_rank, s.tp_size), peer)
+
+    @staticmethod
+    def take(early: EarlyDigests, key: DigestKey) -> Digests | None:
+        """The digest started at arm for this pull, waited for if it is running; None when
+        none was started for it, it still waits in the queue (a burst of arms: the pull is
+        faster digesting its own than queueing behind the others) or it failed."""
+        future = early.pop(key, None)
+        if future is None or future.cancel() or future.cancelled():
+            return None
+        try:
+            return future.result()
+        except Exception as exc:  # the pull's own attempt reports what fails
+            logger.debug("FlagCX digest started at arm failed: %s", exc)
+            return None
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -33,12 +33,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm_flagcx.connector.common import integrity
 from vllm_flagcx.connector.common.counters import Counters
-from vllm_flagcx.connector.common.host_cpus import unpin_this_thread
 from vllm_flagcx.connector.common.metadata import RequestId, SendTask, TransferId
 from vllm_flagcx.connector.common.registration import Registration
 from vllm_flagcx.connector.common.worker_settings import WorkerSettings
@@ -66,8 +64,8 @@ class Send:
     writes: int = 0  # writes under way: the lease cannot expire, a Release must wait
     receiver: str | None = None  # engine id of the decode instance that pulls it
     release_waiters: list[bytes] = field(default_factory=list)  # Releases to ack after
-    # (receiver rank and TP, paired blocks) -> its digest, started at arm (DigestsAhead)
-    digests_ahead: dict[DigestKey, Future[Digests]] = field(default_factory=dict)
+    # (receiver rank and TP, paired blocks) -> its digest, started at arm
+    digests_ahead: integrity.EarlyDigests = field(default_factory=dict)
 
 
 LEASE_EXPIRED = "its lease expired"  # why a transfer ended, told to a late pull
@@ -225,123 +223,6 @@ class Sends:
 Post = Callable[[bytes, hs.Message], None]  # queue an answer for the server thread
 
 
-Digests = tuple[tuple[str, int], ...]  # (layer range, digest) as a reply carries them
-DigestKey = tuple[tuple[int, int], tuple[tuple[int, ...], ...]]  # (peer rank, TP), paired
-MAX_PAIRINGS = 8  # pairings remembered: TP 1 -> 8 gives each prefill rank 8 receivers
-
-
-@dataclass(frozen=True)
-class Pairing:
-    """How one receiver rank's pull paired this rank's blocks, per KV cache group, as a
-    rule for the next transfer: every block (``ALL``), the last ``n`` (a window or a
-    state: ``("last", n, 0)``), or all but ``head`` leading and ``tail`` trailing ones (a
-    prefix decode held: ``("cut", head, tail)``)."""
-
-    peer: tuple[int, int]  # the receiver's (rank, TP)
-    rules: tuple[tuple[str, int, int], ...]
-
-    ALL = ("all", 0, 0)
-
-    @classmethod
-    def of(cls, peer: tuple[int, int], sender_ids: list[list[int]],
-           receiver_ids: list[list[int]], offsets: list[int | None]) -> Pairing:
-        rules = []
-        for g, (ids, got) in enumerate(zip(sender_ids, receiver_ids, strict=True)):
-            offset = offsets[g] if offsets else None
-            if len(got) == len(ids) and not offset:
-                rules.append(cls.ALL)
-            elif offset is None:
-                rules.append(("last", len(got), 0))
-            else:
-                rules.append(("cut", offset, len(ids) - offset - len(got)))
-        return cls(peer, tuple(rules))
-
-    def paired(self, sender_ids: list[list[int]]) -> tuple[tuple[int, ...], ...] | None:
-        """The rule applied to another transfer's blocks (None: too few of them)."""
-        if len(sender_ids) != len(self.rules):
-            return None
-        out = []
-        for ids, (kind, a, b) in zip(sender_ids, self.rules, strict=True):
-            head, tail = {"all": (0, 0), "last": (len(ids) - a, 0)}.get(kind, (a, b))
-            if head < 0 or tail < 0 or head + tail > len(ids):
-                return None
-            out.append(tuple(ids[head:len(ids) - tail]))
-        return tuple(out)
-
-
-class DigestsAhead:
-    """Prefill's digests started when a transfer is armed, not when decode's pull asks.
-
-    Why: in the router's sequential mode decode pulls 5-10 ms after prefill finished (the
-    router, decode's API, its scheduler), and the digest of what a pull writes (0.5-2.6 ms
-    on an H100 from 1k to 32k tokens, ~1.2 ms on 2 CPU cores) sat on the pull's path, after
-    the write. The digest depends on the receiver (its rank and TP pick the slices) and on
-    the pairing (a prefix decode already holds is not sent), known only from a pull: each
-    new transfer is digested, on one background thread, for the pairings the latest pulls
-    had (``MAX_PAIRINGS``). A pull whose pairing was not foreseen digests its own, as before;
-    one whose digest is still running waits for it (no slower than computing it). The
-    blocks stay held while armed and no step writes a finished request's blocks, so an
-    early digest equals a late one (decode's check compares them with its own)."""
-
-    def __init__(self, settings: WorkerSettings, registration: Registration) -> None:
-        self._settings = settings
-        self._registration = registration
-        self._pairings: OrderedDict[Pairing, None] = OrderedDict()
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-
-    def learn(self, pairing: Pairing) -> None:
-        """Remember a pull's pairing for the transfers armed after it."""
-        with self._lock:
-            self._pairings[pairing] = None
-            self._pairings.move_to_end(pairing)
-            while len(self._pairings) > MAX_PAIRINGS:
-                self._pairings.popitem(last=False)
-
-    @property
-    def pairings(self) -> list[Pairing]:
-        with self._lock:
-            return list(self._pairings)
-
-    def start(self, send: Send) -> None:
-        """At arm: this transfer's digest for every pairing seen lately, in the background."""
-        if not self._settings.verify_integrity or not self._registration.views:
-            return
-        sender_ids = [list(g) for g in send.task.block_ids]
-        for pairing in self.pairings:
-            paired = pairing.paired(sender_ids)
-            if paired is None or (pairing.peer, paired) in send.digests_ahead:
-                continue
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, initializer=unpin_this_thread,
-                                                thread_name_prefix="flagcx-digest-ahead")
-            send.digests_ahead[(pairing.peer, paired)] = self._pool.submit(
-                self.digest, paired, pairing.peer)
-
-    def digest(self, paired: tuple[tuple[int, ...], ...], peer: tuple[int, int]) -> Digests:
-        s = self._settings
-        return integrity.sender_digests(self._registration.views, paired,
-                                        (s.tp_rank, s.tp_size), peer)
-
-    @staticmethod
-    def take(send: Send, key: DigestKey) -> Digests | None:
-        """The digest started at arm for this pull, waited for if it is running; None when
-        none was started for it, it still waits in the queue (a burst of arms: the pull is
-        faster digesting its own than queueing behind the others) or it failed."""
-        future = send.digests_ahead.pop(key, None)
-        if future is None or future.cancel() or future.cancelled():
-            return None
-        try:
-            return future.result()
-        except Exception as exc:  # the pull's own attempt reports what fails
-            logger.debug("FlagCX digest started at arm failed: %s", exc)
-            return None
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 class SideChannelWrites:
     """Runs claimed writes (on the server's writer threads) and posts their answers."""
 
@@ -359,7 +240,7 @@ class SideChannelWrites:
                                         len(settings.layout.block_sizes))
         self._connections: dict[str, object] = {}  # receiver incarnation -> transport handle
         self._connect_lock = threading.Lock()
-        self.ahead = DigestsAhead(settings, registration)
+        self.ahead = integrity.DigestsAhead(settings, registration)
 
     def run(self, ident: bytes, send: Send, pull: hs.PullRequest, claimed_at: float,
             target_refusal: Callable[[], str | None] = lambda: None) -> None:
@@ -449,9 +330,9 @@ class SideChannelWrites:
                            pull.transfer_id, exc)
             return (), 0
 
-    def _digests(self, send: Send, pull: hs.PullRequest) -> Digests:
+    def _digests(self, send: Send, pull: hs.PullRequest) -> integrity.Digests:
         """Taken before the reply, like the byte sample (started at arm where the pairing
-        was foreseen: ``DigestsAhead``). Without them decode fails the load as unproven,
+        was foreseen: ``integrity.DigestsAhead``). Without them decode fails the load as unproven,
         so a digest that cannot be taken is logged here."""
         if not self._settings.verify_integrity:
             return ()
@@ -460,8 +341,8 @@ class SideChannelWrites:
             receiver_ids, offsets = [list(g) for g in pull.block_ids], list(pull.offsets)
             paired = integrity.paired_sender_ids(sender_ids, receiver_ids, offsets)
             peer = (pull.sheet.tp_rank, pull.sheet.tp_size)
-            self.ahead.learn(Pairing.of(peer, sender_ids, receiver_ids, offsets))
-            early = self.ahead.take(send, (peer, paired))
+            self.ahead.learn(integrity.Pairing.of(peer, sender_ids, receiver_ids, offsets))
+            early = self.ahead.take(send.digests_ahead, (peer, paired))
             return early if early is not None else self.ahead.digest(paired, peer)
         except Exception as exc:  # the bytes moved; only the proof of it is lost
             logger.warning("FlagCX integrity digest of %s not taken: %s",

@@ -203,10 +203,10 @@ class SideChannelServer:
         prefill finished: the router's concurrent mode) is claimed and written now, not
         at the server thread's next poll (up to ``POLL_SECONDS`` later). Always a byte,
         even with nothing parked: a pull being parked right now is looked at again. Their
-        digests start first (``DigestsAhead``): a parked pull's write then overlaps its
+        digests start first (``integrity.DigestsAhead``): a parked pull's write then overlaps its
         digest."""
         for send in sends:
-            self._writes.ahead.start(send)
+            self._writes.ahead.start(send.task.block_ids, send.digests_ahead)
         self._wake()
 
     def _serve_one(self, tag: bytes, sock: Any) -> None:
