@@ -271,6 +271,59 @@ def test_the_same_transfers_unsabotaged_pass_every_digest():
         assert failed == ["length"] and not errors, (failed, errors)
 
 
+def _count_byte_samples(monkeypatch) -> list[int]:
+    from vllm_flagcx.connector.common import integrity
+
+    calls: list[int] = []
+    original = integrity.checksum
+
+    def counted(ranges, *args):
+        calls.append(len(ranges))
+        return original(ranges, *args)
+
+    monkeypatch.setattr(integrity, "checksum", counted)
+    return calls
+
+
+def test_a_reply_with_the_full_digest_carries_no_byte_sample(monkeypatch):
+    """The digest covers every byte the sample would: neither side reads the sample
+    (one integrity pass on the pull's path), and the load is proven by the digest."""
+    samples = _count_byte_samples(monkeypatch)
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense")
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense")
+    try:
+        records = pd.run_pd(p, d, prompts=[30, 45])
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        assert d.workers[0].ledger.counts == {}
+        assert d.workers[0].stats["integrity_digest_layers"] > 0 and samples == []
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_without_the_digest_the_byte_sample_still_catches_a_silent_loss(monkeypatch):
+    """Where no views exist (no digest is sent nor checked), the byte sample is the
+    check: a transport that reports success and copied nothing fails the request."""
+    from vllm_flagcx.connector import worker
+
+    samples = _count_byte_samples(monkeypatch)
+    original = worker.register
+    monkeypatch.setattr(worker, "register", lambda *a: original(*a[:4], None))
+    port = pd.free_port()
+    p = pd.build_instance("kv_producer", 1, port, model="dense",
+                          faults=pd.Faults(silent_skip_from=0))
+    d = pd.build_instance("kv_consumer", 1, port + 5, model="dense", seed=1)
+    try:
+        records = pd.run_pd(p, d, prompts=[30])
+        assert set(pd.finished_ids(d)) >= {r["d_req"] for r in records.values()}
+        assert d.workers[0].stats["integrity_failures"] == 1 and samples
+        assert "did not land" in d.workers[0].ledger.recent[0][-1]
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def _run_tiles_on_the_host(tiles: np.ndarray, ids: np.ndarray, slots: int) -> list[int]:
     """What the CUDA digest kernel computes (``transport.cuda_kernel``), over host memory
     in numpy: a reference for the tiles ``digest_tiles`` builds from the views' strides

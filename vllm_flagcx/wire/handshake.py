@@ -19,7 +19,8 @@ import msgspec
 from vllm_flagcx.layout.regions import Region
 from vllm_flagcx.wire.params import TransferId
 
-PROTOCOL_VERSION = 2  # 2: LayoutFacts.cache_format
+# 2: LayoutFacts.cache_format; 3: no byte sample where the reply carries the digests
+PROTOCOL_VERSION = 3
 
 
 UNKNOWN_FORMAT = "unknown"

@@ -8,7 +8,8 @@ destination ranges with the checksum in the pull reply; decode checksums the sam
 of its own memory after the reply. The tail of a descriptor is what a lost slice misses
 first. Cost: a few KiB read per request. Device memory is read through the CUDA driver
 (16 small device-to-host copies); where no CUDA driver is (other vendors' device memory)
-the check is skipped, and decode says so once.
+the check is skipped, and decode says so once. Only where no full digest is sent (below):
+the digest covers every byte the sample would.
 
 The byte sample cannot see a plan that names the wrong bytes (it compares what the plan
 moved with itself). The full logical digest can (``layout.digest``): prefill computes,
