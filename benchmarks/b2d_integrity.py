@@ -78,7 +78,8 @@ def _measure(tokens: int, reps: int, device: str) -> dict[str, Any]:
         _sync(device)
 
     def prefill() -> tuple[tuple[str, int], ...]:
-        return integrity.sender_digests(p_views, p_ids, d_ids, [0, None], (0, 1), (0, 1))
+        paired = integrity.paired_sender_ids(p_ids, d_ids, [0, None])
+        return integrity.sender_digests(p_views, paired, (0, 1), (0, 1))
 
     copy()
     sent = prefill()
